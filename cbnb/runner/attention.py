@@ -1,0 +1,111 @@
+"""cbnb's paged attention, registered in transformers' `AttentionInterface` as "cbnb_paged".
+
+transformers models call it once per attention layer with the layer's query/key/value after RoPE
+(query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]``, T = the step's packed query tokens). The step's metadata
+arrives as the `cbnb_batch` keyword argument (a `StepBatch`), which the model forwards untouched to attention.
+
+Per layer:
+
+1. "ring" prefill rows (sliding layers with a past) read their previous ``window - 1`` tokens first;
+2. every token's K/V is written into its page through the slot mapping (``k_pages[block, offset] = k``);
+3. decode rows attend in one batched call over their own pages (padded with the zero block, masked);
+4. prefill rows attend one by one: "fresh" over the chunk itself (causal), "paged" over their pages.
+
+GQA is handled by `scaled_dot_product_attention(..., enable_gqa=True)`; nothing is repeated. No mask spans the
+whole cache: masks cover each request's own keys only. Without `cbnb_batch` (a plain `model.generate` while the
+engine has the model), the call falls back to transformers' sdpa.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ATTN_NAME", "register", "paged_attention_forward"]
+
+ATTN_NAME = "cbnb_paged"
+_registered = False
+
+
+def _sdpa(q, k, v, mask, causal, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                          enable_gqa=True)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention over the paged cache for one layer. Returns ``([1, T, H, D], None)``.
+
+    Raises:
+        NotImplementedError: for attention-logit soft-capping (no supported model uses it).
+    """
+    batch = kwargs.get("cbnb_batch")
+    if batch is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("cbnb_paged attention does not support attention-logit soft-capping")
+    layer = module.layer_idx
+    g, _ = batch.layer_group[layer]
+    gb = batch.groups[g]
+    k_pages = batch.store.k[layer]
+    v_pages = batch.store.v[layer]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    out = torch.empty_like(q)
+
+    old = {}
+    for row in gb.prefill:
+        if row.mode == "ring":
+            old[id(row)] = (k_pages[row.old_blocks, row.old_offsets], v_pages[row.old_blocks, row.old_offsets])
+
+    k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
+    v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)
+
+    if gb.dec_rows is not None:
+        bd, width = gb.dec_pages.shape
+        kd = k_pages[gb.dec_pages].reshape(bd, width * k_pages.shape[1], *k_pages.shape[2:]).transpose(1, 2)
+        vd = v_pages[gb.dec_pages].reshape(bd, width * v_pages.shape[1], *v_pages.shape[2:]).transpose(1, 2)
+        qd = q.index_select(0, gb.dec_rows).unsqueeze(2)  # [Bd, H, 1, D]
+        od = _sdpa(qd, kd, vd, gb.dec_mask, False, scaling)
+        out[gb.dec_rows] = od.squeeze(2)
+
+    for row in gb.prefill:
+        qs = q[row.a:row.b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if row.mode == "fresh":
+            ks, vs = k[row.a:row.b], v[row.a:row.b]
+        elif row.mode == "paged":
+            ks = k_pages[row.pages].flatten(0, 1)[: row.length]
+            vs = v_pages[row.pages].flatten(0, 1)[: row.length]
+        else:
+            ok, ov = old[id(row)]
+            ks = torch.cat([ok, k[row.a:row.b]], 0)
+            vs = torch.cat([ov, v[row.a:row.b]], 0)
+        o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), row.mask, True, scaling)
+        out[row.a:row.b] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register "cbnb_paged" in transformers' `AttentionInterface` and `AttentionMaskInterface` (idempotent).
+
+    The mask function is sdpa's: a plain forward (no `cbnb_batch`, e.g. ``model.generate`` while an engine holds the
+    model) falls back to sdpa attention and needs sdpa's masks. Without a registered mask function transformers
+    builds no mask at all for an unknown implementation, so sliding-window layers would attend causally over the
+    whole sequence. Engine forwards skip mask creation (the runner passes a prepared dummy mask).
+    """
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _registered = True

@@ -1,0 +1,181 @@
+"""Flat varlen batch for one step: token tensors plus, per layer group, the paged-attention metadata.
+
+All requests of a step are packed into one sequence of T query tokens (``input_ids``/``position_ids`` ``[1, T]``,
+``cu_seqlens_q`` ``[B + 1]``). Per layer group the attention needs:
+
+- **write slots** ``(write_block, write_offset)`` ``[T]``: where each token's K/V goes (the write-padding block
+  for tokens a sliding layer does not keep);
+- **decode rows** (one query token with a past): their pages ``[Bd, max_pages]`` (padded with the zero
+  read-padding block) and a validity mask ``[Bd, 1, 1, max_pages * page_size]``; one batched attention call;
+- **prefill rows**: "fresh" (no past: attend to the chunk's own K/V, causal), "paged" (full attention with a past:
+  read the request's pages after writing) or "ring" (sliding attention with a past: read the previous
+  ``window - 1`` tokens *before* writing, since the chunk overwrites ring slots they occupy).
+
+Cost grows with the real KV lengths of the batch, never with the size of the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache.manager import CacheManager
+from ..scheduler import ScheduledRequest
+
+__all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]
+
+
+@dataclass
+class PrefillRow:
+    """One multi-token (or pastless) chunk: query rows [a, b) at positions [past, past + b - a)."""
+
+    a: int
+    b: int
+    past: int
+    mode: str  # "fresh", "paged" or "ring"
+    pages: torch.Tensor | None = None  # paged: [n_pages]
+    length: int = 0  # paged: keys read (= past + chunk)
+    old_blocks: torch.Tensor | None = None  # ring: [n_old]
+    old_offsets: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [chunk, keys] bool, True = attend; None = plain causal
+    causal: bool = True
+
+
+@dataclass
+class GroupBatch:
+    """Paged-attention metadata of one layer group for one step."""
+
+    window: int | None
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    dec_rows: torch.Tensor | None = None
+    dec_pages: torch.Tensor | None = None
+    dec_mask: torch.Tensor | None = None
+    prefill: list[PrefillRow] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    """Everything the model forward of one step needs (passed to attention as the `cbnb_batch` kwarg)."""
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    logits_indices: torch.Tensor  # [S] long: rows whose logits are kept
+    sample_entries: list[ScheduledRequest]  # the S requests that sample, in row order
+    groups: list[GroupBatch]
+    layer_group: list[tuple[int, int]]  # layer -> (group, index in group)
+    store: Any  # the KVStore
+    num_tokens: int = 0
+
+
+def _window_mask(n_q: int, n_old: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Mask for queries at chunk offsets 0..n_q-1 over [n_old cached keys, n_q chunk keys].
+
+    Query j sits at position past + j; cached key i at past - n_old + i. True = attend.
+    """
+    qpos = torch.arange(n_q, device=device).unsqueeze(1) + n_old
+    kpos = torch.arange(n_old + n_q, device=device).unsqueeze(0)
+    m = kpos <= qpos
+    if window is not None:
+        m &= kpos > qpos - window
+    return m
+
+
+def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store: Any,
+                     device: torch.device) -> StepBatch:
+    """Pack the scheduled requests of a step into a `StepBatch` on `device`."""
+    P = cache.page_size
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    logits_idx: list[int] = []
+    samplers: list[ScheduledRequest] = []
+    n_groups = len(cache.allocators)
+    w_blk: list[list[int]] = [[] for _ in range(n_groups)]
+    w_off: list[list[int]] = [[] for _ in range(n_groups)]
+    dec: list[list[tuple[int, list[int], int]]] = [[] for _ in range(n_groups)]
+    pre: list[list[PrefillRow]] = [[] for _ in range(n_groups)]
+    for s in entries:
+        req = s.request
+        a = len(ids)
+        ids.extend(req.token_ids(s.start, s.end))
+        pos.extend(range(s.start, s.end))
+        b = len(ids)
+        cu.append(b)
+        if s.samples:
+            logits_idx.append(b - 1)
+            samplers.append(s)
+        for g, alloc in enumerate(cache.allocators):
+            wpad = alloc.write_padding_block
+            for slot in alloc.write_slots(req.request_id, s.start, s.end):
+                if slot < 0:
+                    w_blk[g].append(wpad)
+                    w_off[g].append(0)
+                else:
+                    w_blk[g].append(slot // P)
+                    w_off[g].append(slot % P)
+            table = alloc.tables[req.request_id]
+            window = getattr(alloc, "window", None)
+            n = s.num_tokens
+            if n == 1 and s.start > 0:
+                if window is None:
+                    valid = s.start + 1
+                    pages = table[: -(-valid // P)]
+                else:
+                    valid = min(s.start + 1, window)
+                    pages = table
+                dec[g].append((a, list(pages), valid))
+            elif s.start == 0:
+                mask = None
+                if window is not None and n > window:
+                    mask = _window_mask(n, 0, window, device)
+                pre[g].append(PrefillRow(a, b, 0, "fresh", mask=mask))
+            elif window is None:
+                length = s.start + n
+                pages = torch.tensor(table[: -(-length // P)], dtype=torch.long, device=device)
+                mask = _window_mask(n, s.start, None, device)
+                pre[g].append(PrefillRow(a, b, s.start, "paged", pages=pages, length=length, mask=mask))
+            else:
+                lo = max(0, s.start - (window - 1))
+                slots = [alloc.slot(req.request_id, p) for p in range(lo, s.start)]
+                ob = torch.tensor([x // P for x in slots], dtype=torch.long, device=device)
+                oo = torch.tensor([x % P for x in slots], dtype=torch.long, device=device)
+                mask = _window_mask(n, s.start - lo, window, device)
+                pre[g].append(PrefillRow(a, b, s.start, "ring", old_blocks=ob, old_offsets=oo, mask=mask))
+    groups = []
+    for g, alloc in enumerate(cache.allocators):
+        gb = GroupBatch(
+            window=getattr(alloc, "window", None),
+            write_blocks=torch.tensor(w_blk[g], dtype=torch.long, device=device),
+            write_offsets=torch.tensor(w_off[g], dtype=torch.long, device=device),
+            prefill=pre[g],
+        )
+        if dec[g]:
+            rows = [d[0] for d in dec[g]]
+            width = max(len(d[1]) for d in dec[g])
+            pages = np.full((len(rows), width), alloc.read_padding_block, dtype=np.int64)
+            valid = np.empty(len(rows), dtype=np.int64)
+            for r, (_, pg, v) in enumerate(dec[g]):
+                pages[r, : len(pg)] = pg
+                valid[r] = v
+            gb.dec_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            gb.dec_pages = torch.from_numpy(pages).to(device)
+            ar = torch.arange(width * P, device=device)
+            gb.dec_mask = (ar.unsqueeze(0) < torch.from_numpy(valid).to(device).unsqueeze(1))[:, None, None, :]
+        groups.append(gb)
+    t = len(ids)
+    return StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0),
+        position_ids=torch.tensor(pos, dtype=torch.long, device=device).unsqueeze(0),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        sample_entries=samplers,
+        groups=groups,
+        layer_group=store.layer_group,
+        store=store,
+        num_tokens=t,
+    )

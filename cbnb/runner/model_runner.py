@@ -1,0 +1,141 @@
+"""`ModelRunner`: runs one step of a transformers model over the paged cache and samples.
+
+A step: copy offloaded blocks (device -> host), restore swapped-in blocks (host -> device), pack the batch
+(`build_step_batch`), one model forward with ``logits_to_keep`` = the rows that sample (so the LM head only sees
+those rows), then sampling. The model's attention implementation is switched to "cbnb_paged" while the runner is
+active and restored by `deactivate()`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.manager import CacheManager
+from ..core import StepWork
+from .attention import ATTN_NAME, register
+from .batch import build_step_batch
+from .kv import KVStore
+from .sampling import Sampler
+
+__all__ = ["ModelRunner", "StepResult"]
+
+# model -> [active runners, attention implementation to restore]; shared by every runner of the process.
+_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_ACTIVE_LOCK = threading.Lock()
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+@dataclass
+class StepResult:
+    """Tokens sampled in a step (request_id -> token id) and where the time went (seconds)."""
+
+    tokens: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
+    copied_bytes: int = 0
+
+
+class ModelRunner:
+    """Executes `StepWork` on a model.
+
+    Args:
+        model: a transformers causal LM (eval mode).
+        cache: the `CacheManager` (block tables, slots).
+        store: the `KVStore` (tensors).
+        seed: engine-wide sampling seed (`ContinuousBatchingConfig.seed`).
+    """
+
+    def __new__(cls, model: torch.nn.Module, cache: CacheManager, store: KVStore, *args, **kwargs):
+        # Factory: on a CUDA KV store, `ModelRunner(...)` builds the GPU runner (Triton attention, CUDA graphs, async
+        # batching; `cbnb.runner.cuda_runner`). CBNB_CUDA_RUNNER=0 keeps this CPU-path runner on CUDA (debugging);
+        # CBNB_CUDA_RUNNER=fake builds the GPU runner on any device (CPU smoke runs: fake graphs, torch attention).
+        mode = os.environ.get("CBNB_CUDA_RUNNER", "1")
+        on_cuda = getattr(getattr(store, "device", None), "type", None) == "cuda"
+        if cls is ModelRunner and mode != "0" and (on_cuda or mode == "fake"):
+            from .cuda_runner import CudaModelRunner
+
+            return super().__new__(CudaModelRunner)
+        return super().__new__(cls)
+
+    def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
+        register()
+        self.model = model
+        self.cache = cache
+        self.store = store
+        self.device = store.device
+        self.sampler = Sampler(self.device, seed)
+        self._previous_impl: str | None = None
+        self.supports_logits_to_keep = bool(getattr(model, "_supports_logits_to_keep", lambda: True)())
+
+    def activate(self) -> None:
+        """Route the model's attention through cbnb (remembering the previous implementation).
+
+        Activations are counted per model: several engines may share one model, and the original implementation
+        comes back only when the last of them deactivates (otherwise stopping one engine would switch the others'
+        forwards to plain sdpa, which ignores the paged cache).
+        """
+        if self._previous_impl is not None:
+            return
+        with _ACTIVE_LOCK:
+            entry = _ACTIVE.get(self.model)
+            if entry is None:
+                entry = _ACTIVE[self.model] = [0, self.model.config._attn_implementation]
+                self.model.set_attn_implementation(ATTN_NAME)
+            entry[0] += 1
+            self._previous_impl = entry[1]
+
+    def deactivate(self) -> None:
+        """Restore the model's original attention implementation (once no other runner uses the model)."""
+        if self._previous_impl is None:
+            return
+        with _ACTIVE_LOCK:
+            entry = _ACTIVE.get(self.model)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    del _ACTIVE[self.model]
+                    self.model.set_attn_implementation(entry[1])
+            self._previous_impl = None
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+    def inherit(self, previous: "ModelRunner") -> None:
+        """Take over what must survive an engine rebuild from the runner it replaces (per-request RNG streams)."""
+        self.sampler.adopt(previous.sampler)
+
+    @torch.inference_mode()
+    def execute(self, work: StepWork) -> StepResult:
+        """Run the copies and the forward of one step; return the sampled tokens."""
+        t0 = time.perf_counter()
+        copied = 0
+        for _, so in work.swap_outs:
+            copied += self.store.swap_out(so.pairs)
+        for _, pairs in work.restores:
+            copied += self.store.swap_in(pairs)
+        t1 = time.perf_counter()
+        timings = {"offload_copy": t1 - t0}
+        if work.plan.empty:
+            return StepResult({}, timings, copied)
+        batch = build_step_batch(work.plan.scheduled, self.cache, self.store, self.device)
+        t2 = time.perf_counter()
+        kwargs = {}
+        if self.supports_logits_to_keep:
+            kwargs["logits_to_keep"] = batch.logits_indices
+        # A prepared (4-D) mask makes transformers skip mask creation; cbnb_paged attention ignores it.
+        out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                         attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
+        logits = out.logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits.index_select(0, batch.logits_indices)
+        t3 = time.perf_counter()
+        entries = batch.sample_entries
+        toks = self.sampler.sample(logits, [e.request_id for e in entries], [e.request.sampling for e in entries])
+        t4 = time.perf_counter()
+        timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
+        return StepResult({e.request_id: t for e, t in zip(entries, toks)}, timings, copied)

@@ -1,0 +1,399 @@
+"""Schedulers: which requests run in the next step, how many query tokens each, and why the others wait.
+
+Both schedulers follow transformers' `_process_candidates` (see ../shared/reference, section 4):
+
+- **Candidates**: FIFO takes active DECODING requests, then active PREFILLING ones (split prefills), then waiting
+  requests in arrival order (requests re-queued by an offload interleaved with fresh ones, offloaded first).
+  PrefillFirst takes active PREFILLING requests first, then DECODING, then waiting.
+- **Token budget** = `max_batch_tokens` query tokens per step; a long prompt takes what is left and the rest of it
+  is carried to later steps (chunked prefill).
+- **Cache budget** = the cache's capacity in tokens (transformers' `max_tokens_read`): the past tokens read by the
+  whole step; with prefix sharing several requests may read the same blocks, so it can bind.
+- **Request cap** = `max_requests_per_batch`.
+- **Safety margin**: when the free share of the cache is below `safety_margin`, once one request is in the step
+  no new or split prefill is admitted; decodes go on.
+- **Admission** is all-or-nothing across allocators; a waiting request that does not fit is skipped and later,
+  smaller ones may still get in (transformers' order, not strict FIFO). An *active* request that cannot get its next
+  blocks is *stalled*: the plan lists it with the blocks it needs, for the offload policy.
+- **Stalled requests first** (cbnb, not transformers): once an active request is stalled in a pass, no waiting
+  request is admitted behind it (reason "stalled_ahead"), and a stalled *prefill chunk* of a single-group model
+  takes the part of the chunk that fits instead of stalling whole. transformers admits newcomers there, which
+  deepens the stall and makes the stalled request the next offload victim.
+- **Offload back-off**: after an offload, no waiting request is admitted until some request ends (transformers'
+  `block_new_requests`), so a freed block is not taken by a newcomer and the victim does not ping-pong.
+
+The result is a `BatchPlan`: plain data that also names every request not taken, with the reason and the numbers
+that decided it. This module is torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cache.manager import Allocation, CacheManager, Shortfall
+from .config import ContinuousBatchingConfig
+from .requests import Request, RequestState
+
+__all__ = [
+    "SkipReason", "ScheduledRequest", "SkippedRequests", "StalledRequest", "BatchPlan",
+    "Scheduler", "FIFOScheduler", "PrefillFirstScheduler", "make_scheduler", "SCHEDULERS",
+]
+
+
+_PENDING = RequestState.PENDING
+_PREFILLING = RequestState.PREFILLING
+_DECODING = RequestState.DECODING
+
+
+class SkipReason(str, enum.Enum):
+    """Why a candidate was not taken this step."""
+
+    TOKEN_BUDGET = "token_budget"
+    CACHE_BUDGET = "cache_budget"
+    REQUEST_CAP = "request_cap"
+    SAFETY_MARGIN = "safety_margin"
+    NO_FREE_BLOCKS = "no_free_blocks"
+    STALLED_AHEAD = "stalled_ahead"
+    OFFLOAD_BACKOFF = "offload_backoff"
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in the step.
+
+    Attributes:
+        request: the request (its `num_computed` already advanced past this chunk).
+        start: first token position computed this step (the past length, in tokens).
+        num_tokens: query tokens this step.
+        phase: "decode" (one new token of a generating request) or "prefill" (a prompt chunk, or recomputation).
+        samples: whether this step samples a token for the request (its last pending token is in the chunk).
+        prefix_hit_tokens: tokens served from the prefix cache at this admission (0 otherwise).
+        allocation: blocks allocated for this step (None when the table already covered the chunk).
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    phase: str
+    samples: bool
+    prefix_hit_tokens: int = 0
+    allocation: Allocation | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SkippedRequests:
+    """Requests not taken for one reason; `detail` holds the numbers that decided it (tokens, blocks, fractions)."""
+
+    reason: SkipReason
+    request_ids: list[str]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StalledRequest:
+    """An active request that could not get the blocks for its next chunk."""
+
+    request_id: str
+    tokens: int
+    blocks_needed: list[int]
+    blocks_available: list[int]
+
+
+@dataclass
+class BatchPlan:
+    """The scheduler's decision for one step (plain data)."""
+
+    step_id: int
+    scheduler: str
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    skipped: list[SkippedRequests] = field(default_factory=list)
+    stalled: list[StalledRequest] = field(default_factory=list)
+    token_budget: int = 0
+    cache_budget: int = 0
+    cache_read_tokens: int = 0
+    request_cap: int = 0
+    free_fraction: float = 1.0
+    safety_margin: float = 0.0
+
+    @property
+    def below_margin(self) -> bool:
+        return self.free_fraction < self.safety_margin
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.phase == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.phase == "decode")
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+    def skip_reason(self, request_id: str) -> SkippedRequests | None:
+        for s in self.skipped:
+            if request_id in s.request_ids:
+                return s
+        return None
+
+
+class Scheduler:
+    """Shared machinery; subclasses define the candidate order.
+
+    Args:
+        config: a resolved `ContinuousBatchingConfig` (max_batch_tokens, max_requests_per_batch and safety_margin
+            set).
+        cache: the `CacheManager`.
+    """
+
+    name = "base"
+
+    def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager) -> None:
+        if config.max_batch_tokens is None or config.max_requests_per_batch is None:
+            raise ValueError("Scheduler needs a resolved config (call ContinuousBatchingConfig.resolve())")
+        self.max_batch_tokens = int(config.max_batch_tokens)
+        self.max_requests = int(config.max_requests_per_batch)
+        self.safety_margin = config.effective_safety_margin
+        self.cache = cache
+        self.waiting: OrderedDict[str, Request] = OrderedDict()
+        self.active: OrderedDict[str, Request] = OrderedDict()
+        self.block_new_requests = False
+        sliding_cap = cache.layout.max_window
+        self._read_cap = (sliding_cap - 1) if sliding_cap else None
+
+    # ------------------------------------------------------------------------------------------ queues
+    def add_waiting(self, req: Request) -> None:
+        """Queue a request at the back of the waiting order."""
+        self.active.pop(req.request_id, None)
+        self.waiting[req.request_id] = req
+
+    def remove(self, request_id: str) -> Request | None:
+        """Forget a request (finished, failed, cancelled). An active request leaving ends an offload back-off."""
+        req = self.active.pop(request_id, None)
+        if req is not None:
+            self.block_new_requests = False
+            return req
+        return self.waiting.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.active)
+
+    def _waiting_candidates(self) -> list[Request]:
+        if not self.waiting:
+            return []
+        requeued = [r for r in self.waiting.values() if r.num_offloads or r.num_soft_resets]
+        if not requeued:
+            return list(self.waiting.values())
+        fresh = [r for r in self.waiting.values() if not (r.num_offloads or r.num_soft_resets)]
+        out: list[Request] = []
+        for i in range(max(len(requeued), len(fresh))):
+            if i < len(requeued):
+                out.append(requeued[i])
+            if i < len(fresh):
+                out.append(fresh[i])
+        return out
+
+    def candidates(self) -> tuple[list[Request], list[Request]]:
+        """(active candidates in order, waiting candidates in order)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ scheduling
+    def schedule(self, step_id: int = 0) -> BatchPlan:
+        """Plan one step. Admitted requests move to the active set and their blocks are allocated."""
+        cache = self.cache
+        cache.flush_host_releases()
+        cache.release_empty_sectors()
+        free = cache.free_fraction()
+        margin = self.safety_margin
+        below = free < margin
+        plan = BatchPlan(step_id, self.name, token_budget=self.max_batch_tokens, cache_budget=cache.capacity_tokens,
+                         request_cap=self.max_requests, free_fraction=free, safety_margin=margin)
+        token_left = self.max_batch_tokens
+        cache_left = cache.capacity_tokens
+        req_left = self.max_requests
+        active_c, waiting_c = self.candidates()
+        skips: dict[tuple, SkippedRequests] = {}
+
+        def skip(reason: SkipReason, rid: str, **detail: Any) -> None:
+            key = (reason, tuple(sorted(detail.items())))
+            entry = skips.get(key)
+            if entry is None:
+                entry = skips[key] = SkippedRequests(reason, [], detail)
+                plan.skipped.append(entry)
+            entry.request_ids.append(rid)
+
+        backoff = self.block_new_requests and bool(self.active)
+        admitted: list[str] = []
+        cands = active_c + waiting_c
+        scheduled = plan.scheduled
+        allocators = cache.allocators
+        read_cap = self._read_cap
+        # Hot path: with one layer group, "does the table already cover the chunk?" is one length check.
+        single = allocators[0] if len(allocators) == 1 else None
+        single_tables = single.tables if single is not None else None
+        single_window = getattr(single, "window", None)
+        page = cache.page_size
+        skipped_append = plan.skipped.append
+        idx = -1
+        for req in cands:
+            idx += 1
+            rid = req.request_id
+            state = req.state
+            waiting = state is _PENDING
+            if req_left == 0 or token_left == 0:
+                # Everything after this point is refused for the same reason: record the rest in one entry.
+                rest = [r.request_id for r in cands[idx:]]
+                if req_left == 0:
+                    entry = SkippedRequests(SkipReason.REQUEST_CAP, rest, {"cap": self.max_requests})
+                else:
+                    entry = SkippedRequests(SkipReason.TOKEN_BUDGET, rest,
+                                            {"budget_tokens": self.max_batch_tokens, "left_tokens": 0})
+                skipped_append(entry)
+                break
+            if waiting and backoff:
+                skip(SkipReason.OFFLOAD_BACKOFF, rid)
+                continue
+            if waiting and plan.stalled:
+                # The free blocks are owed to the stalled active requests ahead (transformers admits newcomers
+                # here, which deepens the stall and makes the stalled request the next offload victim).
+                skip(SkipReason.STALLED_AHEAD, rid, stalled=len(plan.stalled))
+                continue
+            num_tokens = len(req.prompt_ids) + len(req.output_ids) + req.pending_samples
+            computed = req.num_computed
+            # `Request.is_decode`, inlined (hot path).
+            decode = (num_tokens - computed == 1 and (len(req.output_ids) + req.pending_samples) > 0
+                      and not req.swapped)
+            if below and scheduled and not decode:
+                skip(SkipReason.SAFETY_MARGIN, rid, safety_margin=margin, free_fraction=round(free, 6))
+                continue
+            match = cache.match_prefix(req) if (waiting and computed == 0) else None
+            start = match.num_tokens if match is not None else computed
+            remaining = num_tokens - start
+            n = remaining if remaining < token_left else token_left
+            need_read = start if read_cap is None or start < read_cap else read_cap
+            if need_read > cache_left:
+                skip(SkipReason.CACHE_BUDGET, rid, need_tokens=need_read, left_tokens=cache_left,
+                     budget_tokens=cache.capacity_tokens)
+                continue
+            alloc: Allocation | Shortfall | None = None
+            end = start + n
+            if waiting:
+                covered = False
+            elif single_tables is not None:
+                t = single_tables.get(rid)
+                covered = (len(t) if t else 0) * page >= (
+                    end if single_window is None or end < single_window else single_window)
+            else:
+                covered = all(a.covers(rid, end) for a in allocators)
+            if not covered:
+                alloc = cache.allocate(req, end, match)
+                if isinstance(alloc, Shortfall) and not waiting and not decode and single is not None:
+                    # A chunked prefill that does not fit whole takes the part that fits.
+                    fit = self._fitting_end(single, rid, start, end)
+                    if fit > start:
+                        end, n = fit, fit - start
+                        alloc = cache.allocate(req, end, None)
+                if isinstance(alloc, Shortfall):
+                    if not waiting:
+                        plan.stalled.append(StalledRequest(rid, end, alloc.needed, alloc.available))
+                    skip(SkipReason.NO_FREE_BLOCKS, rid, needed_blocks=tuple(alloc.needed),
+                         available_blocks=tuple(alloc.available))
+                    continue
+            # Commit.
+            hit = 0
+            if match is not None:
+                hit = match.num_tokens
+                req.prefix_cached_tokens += hit
+            if req.swapped:
+                req.swapped = False
+            samples = n == remaining
+            req.num_computed = end
+            if samples:
+                req.pending_samples += 1
+                if state is not _DECODING:
+                    req.transition(_DECODING)
+            elif state is not _PREFILLING:
+                req.transition(_PREFILLING)
+            if waiting:
+                admitted.append(rid)
+            scheduled.append(ScheduledRequest(req, start, n, "decode" if decode else "prefill", samples, hit,
+                                              alloc))
+            token_left -= n
+            cache_left -= need_read
+            req_left -= 1
+        for rid in admitted:
+            self.active[rid] = self.waiting.pop(rid)
+        plan.cache_read_tokens = cache.capacity_tokens - cache_left
+        return plan
+
+    def _fitting_end(self, alloc: Any, rid: str, start: int, end: int) -> int:
+        """The largest chunk end in (start, end] whose blocks the single layer group can obtain now."""
+        table = alloc.tables.get(rid) or ()
+        blocks = len(table) + self.cache.obtainable_blocks(alloc.index)
+        cap = blocks * self.cache.page_size
+        window = getattr(alloc, "window", None)
+        if window is not None and cap >= window:
+            return end
+        return min(end, cap)
+
+    def _covers(self, req: Request, total_tokens: int) -> bool:
+        rid = req.request_id
+        return all(a.covers(rid, total_tokens) for a in self.cache.allocators)
+
+
+class FIFOScheduler(Scheduler):
+    """Active decodes, then active (split) prefills, then waiting requests in arrival order. Margin 0.15."""
+
+    name = "fifo"
+
+    def candidates(self) -> tuple[list[Request], list[Request]]:
+        dec: list[Request] = []
+        pre: list[Request] = []
+        for r in self.active.values():
+            (dec if r.state is _DECODING else pre).append(r)
+        return dec + pre, self._waiting_candidates()
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Active split prefills first, then decodes, then waiting requests. Margin 0.0."""
+
+    name = "prefill_first"
+
+    def candidates(self) -> tuple[list[Request], list[Request]]:
+        dec: list[Request] = []
+        pre: list[Request] = []
+        for r in self.active.values():
+            (dec if r.state is _DECODING else pre).append(r)
+        return pre + dec, self._waiting_candidates()
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
+
+
+def make_scheduler(config: ContinuousBatchingConfig, cache: CacheManager) -> Scheduler:
+    """The scheduler named by `config.scheduler_type`.
+
+    Raises:
+        ValueError: for an unknown name, listing the choices.
+    """
+    cls = SCHEDULERS.get(config.scheduler_type)
+    if cls is None:
+        raise ValueError(f"scheduler_type must be one of {', '.join(map(repr, SCHEDULERS))}; "
+                         f"got {config.scheduler_type!r}")
+    return cls(config, cache)

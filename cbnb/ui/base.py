@@ -1,0 +1,127 @@
+"""`Panel`: the anywidget base class shared by every dashboard panel.
+
+A panel is an `anywidget.AnyWidget` with an ES module from `widgets/`, a message line (`message`, `message_kind`)
+for errors and confirmations, and two timestamps that travel with every data update:
+
+- `_stamp`: `time.time()` when the poller read the engine for this update;
+- `_event_t`: wall-clock time of the oldest engine event behind it (0 when none).
+
+The front-end records ``Date.now()/1000 - _stamp`` (and the same for `_event_t`) in
+``globalThis.__cbnbLatency``, which the browser tests read to measure update latency.
+
+A panel built alone gets its own `Poller`; `Dashboard` builds its panels with one shared poller instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import anywidget
+import traitlets
+
+from . import _assets
+from .poller import Frame, Poller
+
+__all__ = ["Panel"]
+
+log = logging.getLogger(__name__)
+
+
+class Panel(anywidget.AnyWidget):
+    """Base class of the dashboard panels.
+
+    Args:
+        engine: the `cbnb.Engine` to show.
+        poller: a shared `Poller` (the Dashboard's); None: the panel makes and starts its own.
+        autostart: with `poller=None`, start the panel's own poller now (False: call `panel.poller.start()`).
+    """
+
+    _css = _assets.css()
+    message = traitlets.Unicode("").tag(sync=True)
+    message_kind = traitlets.Unicode("info").tag(sync=True)  # "info" | "ok" | "error"
+    _stamp = traitlets.Float(0.0).tag(sync=True)
+    _event_t = traitlets.Float(0.0).tag(sync=True)
+
+    def __init__(self, engine: Any, *, poller: Poller | None = None, autostart: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine = engine
+        self._lock = threading.RLock()  # serialises Python-side writers (poller thread vs. kernel thread)
+        self.on_msg(self._dispatch)
+        self._setup()
+        self._owns_poller = poller is None
+        if poller is None:
+            poller = Poller(engine, [self])
+            if autostart:
+                poller.start()
+        else:
+            poller.add(self)
+        self.poller = poller
+
+    def _setup(self) -> None:
+        """Subclass hook: initialise state before the poller may call `_update`."""
+
+    # ------------------------------------------------------------------------------------------ messages
+    def show(self, text: str, kind: str = "info") -> None:
+        """Show `text` on the panel's message line; `kind` is "info", "ok" or "error"."""
+        if kind not in ("info", "ok", "error"):
+            kind = "info"
+        with self.hold_sync():
+            self.message_kind = kind
+            self.message = str(text)
+
+    def _dispatch(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        """Route a front-end message ``{"kind": k, ...}`` to ``self._on_<k>(content)``; errors go to the panel."""
+        if not isinstance(content, dict):
+            return
+        kind = str(content.get("kind", ""))
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is None:
+            self.show(f"unknown action {kind!r}", "error")
+            return
+        try:
+            handler(content)
+        except Exception as e:  # shown in the panel, never raised into the comm handler
+            log.exception("cbnb panel action %s failed", kind)
+            self.show(f"{kind} failed: {type(e).__name__}: {e}", "error")
+
+    # ------------------------------------------------------------------------------------------ updates
+    def _needs(self) -> set[str]:
+        """What this panel needs in a frame: a subset of {"requests", "stats", "snapshot"}."""
+        return set()
+
+    def _update(self, frame: Frame) -> None:
+        """Refresh the synced state from `frame` (poller thread). Override `_values`; this sets what changed."""
+        values = self._values(frame)
+        if not values:
+            return
+        with self._lock:
+            changed = {k: v for k, v in values.items() if _differs(getattr(self, k), v)}
+            if not changed:
+                return
+            with self.hold_sync():
+                for k, v in changed.items():
+                    setattr(self, k, v)
+                self._event_t = frame.event_wall or 0.0
+                self._stamp = frame.wall
+        # Python's share of the update latency: engine read -> message handed to the kernel's IOPub thread.
+        self.poller.send_lag.append(time.time() - frame.wall)
+
+    def _values(self, frame: Frame) -> dict[str, Any]:
+        """Trait name -> new value for this frame (only those that differ are sent)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop the panel's own poller (if it has one) and close the widget."""
+        if self._owns_poller and getattr(self, "poller", None) is not None:
+            self.poller.stop()
+        super().close()
+
+
+def _differs(old: Any, new: Any) -> bool:
+    try:
+        return bool(old != new)
+    except Exception:  # e.g. numpy arrays: compare by identity
+        return old is not new

@@ -1,0 +1,350 @@
+"""`ConfigPanel`: sliders, dropdowns and toggles for the engine's `ContinuousBatchingConfig`, with a live memory
+preview and the config as ready-to-paste transformers code. "Apply" retunes the engine between runs with
+`engine.reconfigure` (nothing queued is lost)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import traitlets
+
+from . import _assets
+from .base import Panel
+from .poller import Frame
+from .state import fmt_bytes
+
+__all__ = ["ConfigPanel", "FIELDS", "values_from_config", "config_from_values", "proposed_config"]
+
+_PAGE_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+#: The controls, in display order. kind: "select" (options), "range" (min/max/step), "toggle", "radio".
+FIELDS: list[dict[str, Any]] = [
+    {"name": "page_size", "kind": "select", "options": _PAGE_SIZES, "unit": "tokens",
+     "help": "Tokens per KV page. Small pages waste less in half-filled tails; large ones mean fewer blocks."},
+    {"name": "sizing", "kind": "radio", "options": ["num_blocks", "max_memory_percent"],
+     "help": "Size the cache by a block count, or by a share of the free memory."},
+    {"name": "num_blocks", "kind": "range", "min": 4, "max": 4096, "step": 4, "unit": "blocks",
+     "help": "KV blocks (one page in every layer). More blocks hold more tokens at once, and take more memory."},
+    {"name": "max_memory_percent", "kind": "range", "min": 0.05, "max": 0.95, "step": 0.05, "unit": "fraction",
+     "help": "Share of free memory for KV cache + activations + logits, when num_blocks is not set."},
+    {"name": "max_batch_tokens", "kind": "range", "min": 16, "max": 4096, "step": 16, "unit": "tokens",
+     "help": "Query tokens per step (prompt chunks + one per decoding request). Larger: faster, choppier."},
+    {"name": "max_requests_per_batch", "kind": "range", "min": 1, "max": 512, "step": 1, "unit": "requests",
+     "help": "Requests in one step at most; also sizes the logits buffer."},
+    {"name": "scheduler_type", "kind": "select", "options": ["fifo", "prefill_first"],
+     "help": "fifo: admit in arrival order and keep a safety margin; prefill_first: prompts before decodes."},
+    {"name": "safety_margin", "kind": "range", "min": 0.0, "max": 0.5, "step": 0.01, "unit": "fraction",
+     "help": "Share of the cache kept free before new requests are admitted (fifo default 0.15)."},
+    {"name": "allow_block_sharing", "kind": "toggle",
+     "help": "Prefix cache: requests with the same prompt start share its KV blocks instead of recomputing."},
+    {"name": "cpu_offload_space", "kind": "range", "min": 0.0, "max": 8.0, "step": 0.25, "unit": "GiB",
+     "help": "Host swap pool for requests pushed out of a full cache; 0: soft reset (recompute) instead."},
+    {"name": "q_padding_interval_size", "kind": "range", "min": 0, "max": 512, "step": 16, "unit": "tokens",
+     "help": "Query length padded to a multiple of this (fewer CUDA-graph shapes); 0: the preset, 64."},
+    {"name": "kv_padding_interval_size", "kind": "range", "min": 0, "max": 65536, "step": 1024, "unit": "tokens",
+     "help": "KV length padded to a multiple of this (fewer CUDA-graph shapes); 0: the preset, 16384."},
+    {"name": "use_cuda_graph", "kind": "toggle",
+     "help": "Capture a CUDA graph per padded batch shape and replay it (CUDA only; no effect on CPU)."},
+    {"name": "use_async_batching", "kind": "toggle",
+     "help": "Prepare the next batch on the CPU while the GPU runs this one (CUDA only; no effect on CPU)."},
+]
+FIELD_NAMES = [f["name"] for f in FIELDS]
+
+
+def values_from_config(cfg: Any) -> dict[str, Any]:
+    """The panel's values for a (resolved) `ContinuousBatchingConfig`."""
+    explicit = cfg.num_blocks is not None
+    mmp = cfg.max_memory_percent if cfg.max_memory_percent is not None else 0.6
+    graphs = cfg.use_cuda_graph
+    return {
+        "page_size": int(cfg.page_size),
+        "sizing": "num_blocks" if explicit else "max_memory_percent",
+        "num_blocks": int(cfg.num_blocks) if explicit else 256,
+        "max_memory_percent": float(mmp),
+        "max_batch_tokens": int(cfg.max_batch_tokens or 512),
+        "max_requests_per_batch": int(cfg.max_requests_per_batch or 256),
+        "scheduler_type": cfg.scheduler_type,
+        "safety_margin": float(cfg.effective_safety_margin),
+        "allow_block_sharing": bool(cfg.allow_block_sharing),
+        "cpu_offload_space": float(cfg.cpu_offload_space or 0.0),
+        "q_padding_interval_size": int(cfg.q_padding_interval_size),
+        "kv_padding_interval_size": int(cfg.kv_padding_interval_size),
+        "use_cuda_graph": bool(any(cfg.cuda_graph_booleans)) if graphs is not None else False,
+        "use_async_batching": bool(cfg.use_async_batching),
+    }
+
+
+def config_from_values(base: Any, values: dict[str, Any]) -> Any:
+    """A new `ContinuousBatchingConfig`: `base` with the panel's `values` applied.
+
+    Raises:
+        ValueError: a value outside its field's range (the message names the field).
+    """
+    v = dict(values_from_config(base), **values)
+    unknown = set(values) - set(FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+
+    def as_int(name: str) -> int:
+        try:
+            f = float(v[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number; got {v[name]!r}") from None
+        if f != int(f):
+            raise ValueError(f"{name} must be a whole number; got {v[name]!r}")
+        return int(f)
+
+    def as_float(name: str) -> float:
+        try:
+            return float(v[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number; got {v[name]!r}") from None
+
+    if v["sizing"] not in ("num_blocks", "max_memory_percent"):
+        raise ValueError(f"sizing must be 'num_blocks' or 'max_memory_percent'; got {v['sizing']!r}")
+    by_blocks = v["sizing"] == "num_blocks"
+    return base.copy(
+        page_size=as_int("page_size"),
+        num_blocks=as_int("num_blocks") if by_blocks else None,
+        max_memory_percent=as_float("max_memory_percent"),
+        max_batch_tokens=as_int("max_batch_tokens"),
+        max_requests_per_batch=as_int("max_requests_per_batch"),
+        scheduler_type=str(v["scheduler_type"]),
+        safety_margin=as_float("safety_margin"),
+        allow_block_sharing=bool(v["allow_block_sharing"]),
+        cpu_offload_space=as_float("cpu_offload_space"),
+        q_padding_interval_size=as_int("q_padding_interval_size"),
+        kv_padding_interval_size=as_int("kv_padding_interval_size"),
+        use_cuda_graph=bool(v["use_cuda_graph"]),
+        use_async_batching=bool(v["use_async_batching"]),
+    )
+
+
+_CONFIG_ATTRS = ("page_size", "num_blocks", "max_memory_percent", "max_batch_tokens", "max_requests_per_batch",
+                 "scheduler_type", "safety_margin", "allow_block_sharing", "cpu_offload_space",
+                 "q_padding_interval_size", "kv_padding_interval_size", "use_cuda_graph", "use_async_batching")
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+    if name == "use_cuda_graph":  # True == (True, True); None/False == (False, False)
+        def flat(v: Any) -> bool:
+            return bool(any(v)) if isinstance(v, (tuple, list)) else bool(v)
+        return flat(a) == flat(b)
+    return a == b
+
+
+def proposed_config(user: Any, resolved: Any, values: dict[str, Any]) -> Any:
+    """The config to apply: the engine's own (unresolved) config `user` plus the fields the panel changed
+    relative to the engine's `resolved` config, so that untouched `None` fields keep resolving automatically
+    (e.g. max_requests_per_batch follows a new max_batch_tokens).
+
+    Raises:
+        ValueError: a value outside its field's range (the message names the field).
+    """
+    cand = config_from_values(resolved, values)
+    changes = {k: getattr(cand, k) for k in _CONFIG_ATTRS if not _same(k, getattr(cand, k), getattr(resolved, k))}
+    if values.get("sizing") == "num_blocks" and "num_blocks" not in changes and user.num_blocks is None:
+        changes["num_blocks"] = cand.num_blocks  # switching to an explicit size at the current block count
+    return user.copy(**changes)
+
+
+class ConfigPanel(Panel):
+    """Retune the engine between runs.
+
+    Every change of `values` (from the controls or from Python) recomputes, without allocating anything:
+    the proposed config (`engine.plan_memory`), its memory split next to the current one, and the
+    transformers code for it. `apply()` works on a worker thread, so the kernel stays responsive: it waits until
+    no request is unfinished (see `wait_for_idle`; queued requests finish under the current config, nothing is
+    lost), then calls `engine.reconfigure` and starts a new statistics run (`engine.reset_stats()`), so the plots'
+    "this run" figures belong to the new config.
+
+    Synced state:
+        fields: the control specs (`FIELDS`, with ranges widened to include current values).
+        values: the values being edited (see `values_from_config`).
+        applied: the engine's current values.
+        code: ready-to-paste ``ContinuousBatchingConfig(...)`` code for `values`.
+        memory: {"proposed": split, "current": split (bytes), "num_blocks", "capacity_tokens", "budget_bytes",
+            "error"}.
+        busy: True while a reconfigure runs.
+        device: the engine's device type ("cpu", "cuda", ...).
+    """
+
+    _esm = _assets.esm("config.js")
+    fields = traitlets.List().tag(sync=True)
+    values = traitlets.Dict().tag(sync=True)
+    applied = traitlets.Dict().tag(sync=True)
+    code = traitlets.Unicode("").tag(sync=True)
+    memory = traitlets.Dict().tag(sync=True)
+    busy = traitlets.Bool(False).tag(sync=True)
+    device = traitlets.Unicode("cpu").tag(sync=True)
+    applied_count = traitlets.Int(0).tag(sync=True)
+
+    #: Wait until the engine has no unfinished request before reconfiguring. Needed while `Engine.reconfigure`
+    #: cannot carry requests that already generated tokens (it raises "not a fresh request" half-way through the
+    #: rebuild); queued requests then run to completion under the old config, so nothing is lost.
+    wait_for_idle = True
+
+    def _setup(self) -> None:
+        self._config_seen = None
+        self._apply_thread: threading.Thread | None = None
+        self.device = getattr(getattr(self.engine, "device", None), "type", "cpu")
+        self._sync_from_engine()
+        self.observe(self._on_values, names="values")
+        self._preview()
+
+    # ------------------------------------------------------------------------------------------ state
+    def _sync_from_engine(self) -> None:
+        cfg = self.engine.config
+        self._config_seen = cfg
+        vals = values_from_config(cfg)
+        fields = []
+        for f in FIELDS:
+            f = dict(f)
+            if f["kind"] == "range":  # widen the range so that the current value is on the slider
+                f["max"] = max(f["max"], vals[f["name"]] * 2 if f["name"] == "num_blocks" else vals[f["name"]])
+                f["min"] = min(f["min"], vals[f["name"]])
+            if f["kind"] == "select" and vals[f["name"]] not in f["options"]:
+                f["options"] = sorted(set(f["options"]) | {vals[f["name"]]})
+            fields.append(f)
+        with self.hold_sync():
+            self.fields = fields
+            self.applied = vals
+            self.values = dict(vals)
+
+    def candidate(self) -> Any:
+        """The `ContinuousBatchingConfig` the controls describe.
+
+        Raises:
+            ValueError: when a value is out of range (the message names the field).
+        """
+        eng = self.engine
+        return proposed_config(getattr(eng, "user_config", eng.config), eng.config, self.values)
+
+    def _preview(self) -> None:
+        current = self.engine.memory_split()
+        mem: dict[str, Any] = {"current": current, "error": ""}
+        try:
+            cand = self.candidate()
+            resolved, plan, swap = self.engine.plan_memory(cand)
+            split = plan.split()
+            split["swap_pool"] = swap * plan.cache_bytes // max(1, plan.num_sectors + 2) if swap else 0
+            mem.update(proposed=split, num_blocks=plan.num_blocks, capacity_tokens=plan.capacity_tokens,
+                       budget_bytes=plan.budget_bytes, free_bytes=plan.free_bytes,
+                       text=(f"{plan.num_blocks} blocks x {resolved.page_size} tokens = {plan.capacity_tokens:,} "
+                             f"tokens; KV {fmt_bytes(split['kv_cache'])}, activations "
+                             f"{fmt_bytes(split['activations'])}, logits {fmt_bytes(split['logits'])}"))
+            code = cand.to_code()
+        except (ValueError, MemoryError) as e:
+            mem["error"] = str(e)
+            code = self.code or ""
+        with self.hold_sync():
+            self.memory = mem
+            self.code = code
+
+    def _on_values(self, _change: Any) -> None:
+        self._preview()
+
+    # ------------------------------------------------------------------------------------------ actions
+    def set(self, **values: Any) -> None:
+        """Change some values (as the controls would), e.g. ``panel.set(max_batch_tokens=512)``."""
+        self.values = dict(self.values, **values)
+
+    def reset(self) -> None:
+        """Discard the edits: back to the engine's current config."""
+        self._sync_from_engine()
+        self._preview()
+        self.show("Edits discarded.", "info")
+
+    def apply(self, wait: bool = False, timeout: float = 120.0) -> bool:
+        """Reconfigure the engine with the edited values (on a worker thread).
+
+        Args:
+            wait: block until the engine has switched (or failed).
+            timeout: seconds `wait` waits at most.
+
+        Returns:
+            False when the values are invalid or an apply is already running (shown on the panel); True once
+            started (with `wait`, True only when it succeeded).
+        """
+        if self.busy:
+            self.show("An apply is already running.", "info")
+            return False
+        try:
+            cfg = self.candidate()
+            self.engine.plan_memory(cfg)
+        except (ValueError, MemoryError) as e:
+            self.show(f"Not applied: {e}", "error")
+            return False
+        self.busy = True
+        self.show("Applying… requests in flight restart in the new cache.", "info")
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                if self.wait_for_idle:
+                    self._wait_idle(timeout)
+                n_live = sum(1 for r in self.engine.requests_snapshot() if not r.finished)
+                resolved = self.engine.reconfigure(cfg, timeout=timeout)
+                self.engine.reset_stats()
+                result["ok"] = True
+                self.show(f"Applied: page_size={resolved.page_size}, num_blocks={resolved.num_blocks}, "
+                          f"max_batch_tokens={resolved.max_batch_tokens}; {n_live} unfinished request(s) kept.",
+                          "ok")
+            except Exception as e:
+                self.show(f"Not applied ({type(e).__name__}): {e}", "error")
+            finally:
+                self._sync_from_engine()
+                self._preview()
+                self.applied_count += 1
+                self.busy = False
+                self.poller.poke()
+
+        t = threading.Thread(target=work, name="cbnb-ui-apply", daemon=True)
+        self._apply_thread = t
+        t.start()
+        if wait:
+            t.join(timeout)
+            return bool(result.get("ok"))
+        return True
+
+    def _wait_idle(self, timeout: float) -> None:
+        """Block (worker thread) until no request is unfinished, showing how many are left.
+
+        Raises:
+            TimeoutError: when `timeout` seconds pass first.
+        """
+        deadline = time.monotonic() + timeout
+        shown = -1
+        while True:
+            live = sum(1 for r in self.engine.requests_snapshot() if not r.finished)
+            if live == 0:
+                return
+            if live != shown:
+                shown = live
+                self.show(f"Waiting for {live} unfinished request(s) to end before applying (they finish under "
+                          f"the current config; nothing is lost)…", "info")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{live} request(s) still unfinished after {timeout:.0f} s; cancel them or "
+                                   "apply later")
+            time.sleep(0.05)
+
+    def _on_apply(self, msg: dict) -> None:
+        if isinstance(msg.get("values"), dict):
+            self.values = dict(self.values, **msg["values"])
+        self.apply()
+
+    def _on_reset(self, _msg: dict) -> None:
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------ poller
+    def _needs(self) -> set[str]:
+        return set()
+
+    def _update(self, frame: Frame) -> None:
+        # The config can change outside the panel (engine.reconfigure from a cell): follow it.
+        if self.engine.config is not self._config_seen and not self.busy:
+            with self._lock:
+                self._sync_from_engine()
+                self._preview()

@@ -1,0 +1,168 @@
+"""`LivePlotsPanel`: plotly charts of the scheduler, the KV cache and the engine's speed, in one widget.
+
+Why not `plotly.graph_objects.FigureWidget` (measured here, plotly 7.1, 2 CPU cores):
+
+- a FigureWidget ships its 4.96 MB ESM bundle as widget state *per instance* and took 4.4-5.2 s to construct;
+- a `batch_update` of 18 traces x 300 points cost 12-15 ms of Python per update (plotly validates every array),
+  i.e. 12-15 % of a core at 10 Hz, against 0.05 ms to set the same data as float32 bytes in an anywidget traitlet;
+- its synced state (`_widget_data`) keeps the data of the time it was displayed, so a reloaded page shows stale
+  plots until the next change.
+
+So the plots are drawn by plotly.js inside this panel's own ES module, from traitlets that always hold the current
+series (float32 bytes): a reloaded page restores them like any widget state. plotly.js itself (plotly's
+`package_data/plotly.min.js`, 4.8 MB) is sent once per kernel by a hidden `PlotlyLib` widget that every plots panel
+refers to, and evaluated once per page.
+
+One widget, six small plotly figures rather than one figure of six subplots: redrawing the single figure took
+200-900 ms of the page's main thread on a loaded 2-core machine, during which no widget message is handled (the
+token stream stalls). The front-end redraws one small chart right after each update, round-robin, skips charts
+that are off screen, and catches up on the rest once updates pause.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import threading
+import time
+from typing import Any
+
+import anywidget
+import traitlets
+
+from . import _assets
+from .base import Panel
+from .poller import Frame
+from .state import SKIP_REASONS, StepSeries, TimeSeries
+
+__all__ = ["LivePlotsPanel", "PlotlyLib", "plotly_lib"]
+
+
+class PlotlyLib(anywidget.AnyWidget):
+    """Carries plotly.js (bytes) to the front-end once per kernel; never displayed. Use `plotly_lib()`."""
+
+    _esm = "export default {};"
+    source = traitlets.Bytes(b"").tag(sync=True)
+    version = traitlets.Unicode("").tag(sync=True)
+
+
+_lib: PlotlyLib | None = None
+_lib_lock = threading.Lock()
+
+
+def _plotly_js() -> tuple[bytes, str]:
+    """plotly.min.js from the installed plotly package, and its version."""
+    ref = importlib.resources.files("plotly") / "package_data" / "plotly.min.js"
+    data = ref.read_bytes()
+    head = data[:200].decode("utf-8", "replace")
+    version = head.split("plotly.js v", 1)[1].split()[0] if "plotly.js v" in head else ""
+    return data, version
+
+
+def plotly_lib() -> PlotlyLib:
+    """The process-wide `PlotlyLib` widget (re-created if it was closed)."""
+    global _lib
+    with _lib_lock:
+        if _lib is None or getattr(_lib, "comm", None) is None:
+            data, version = _plotly_js()
+            _lib = PlotlyLib(source=data, version=version)
+        return _lib
+
+
+class LivePlotsPanel(Panel):
+    """Live plots over a running engine, six charts in one panel:
+
+    1. tokens per step, prefill vs decode, against `max_batch_tokens`;
+    2. requests left out per step, stacked by reason (`cbnb.scheduler.SkipReason`);
+    3. KV usage by blocks and by tokens (% of the cache);
+    4. prefix-cache hits in this run: tokens served, and their share of prompt tokens (%);
+    5. offloads (swaps), soft resets and restores in this run, and CUDA-graph captures and replays (0 on CPU);
+    6. throughput (output and prefill tokens/s) and the median TTFT and TPOT (ms).
+
+    "This run" is since `engine.reset_stats()`: the Config panel's Apply and this panel's "New run" button reset it.
+
+    Args:
+        engine: the engine.
+        steps: steps kept for plots 1-2.
+        samples: time samples kept for plots 3-6 (one per poll while the engine works).
+        poller, autostart: see `Panel`.
+
+    Synced state: `steps` and `series` (column name -> float32 bytes; NaN marks a missing value), `reasons`,
+    `summary` (latest figures for the header line), `_lib` (the `PlotlyLib` model id).
+    """
+
+    _esm = _assets.esm("plots.js")
+    steps = traitlets.Dict().tag(sync=True)
+    series = traitlets.Dict().tag(sync=True)
+    reasons = traitlets.List(traitlets.Unicode(), default_value=list(SKIP_REASONS)).tag(sync=True)
+    summary = traitlets.Dict().tag(sync=True)
+    _lib = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, engine: Any, *, steps: int = 240, samples: int = 600, **kwargs: Any) -> None:
+        self._step_series = StepSeries(steps)
+        self._time_series = TimeSeries(time.time(), samples)
+        self._last_stats_key: tuple | None = None
+        super().__init__(engine, **kwargs)
+
+    def _setup(self) -> None:
+        self._lib = plotly_lib().model_id
+
+    def _needs(self) -> set[str]:
+        return {"stats"}
+
+    def _values(self, frame: Frame) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self._step_series.add_events(frame.events):
+            out["steps"] = self._step_series.arrays()
+        st = frame.stats
+        if st is not None:
+            run = st["run"]
+            key = (run["steps"], run["requests_finished"], run["requests_failed"], run["requests_cancelled"],
+                   run["prefix_hit_tokens"], round(run["kv_usage_blocks_frac"], 6))
+            # Idle engine: nothing moved, so add no flat sample (keeps the time axis on the activity).
+            if key != self._last_stats_key or frame.events:
+                self._last_stats_key = key
+                row = self._time_series.add_stats(frame.wall, st)
+                out["series"] = self._time_series.arrays()
+                out["summary"] = self._summary(st, row)
+        return out
+
+    def _summary(self, st: dict, row: dict) -> dict[str, Any]:
+        run = st["run"]
+        cfg = self.engine.config
+        device = getattr(getattr(self.engine, "device", None), "type", "cpu")
+        return {
+            "max_batch_tokens": cfg.max_batch_tokens, "device": device,
+            "graphs_enabled": bool(any(cfg.cuda_graph_booleans)),
+            "out_tok_s": row["out_tok_s"], "run_out_tok_s": run["output_tokens_per_s"],
+            "ttft_p50_ms": row["ttft_p50_ms"], "tpot_p50_ms": row["tpot_p50_ms"],
+            "prefix_hit_tokens": run["prefix_hit_tokens"], "prefix_hit_pct": run["prefix_hit_rate_pct"],
+            "swaps": run["swaps"], "soft_resets": run["soft_resets"], "restores": run["restores"],
+            "graph_captures": run["cuda_graph_captures"], "graph_replays": run["cuda_graph_replays"],
+            "kv_blocks_pct": row["kv_blocks_pct"], "kv_tokens_pct": row["kv_tokens_pct"],
+            "steps": run["steps"], "finished": run["requests_finished"],
+        }
+
+    def new_run(self) -> None:
+        """Start a new run: reset the engine's run statistics and clear the plots."""
+        self.engine.reset_stats()
+        with self._lock:
+            self._step_series.clear()
+            self._time_series = TimeSeries(time.time(), self._time_series.size)
+            self._last_stats_key = None
+            with self.hold_sync():
+                self.steps = self._step_series.arrays()
+                self.series = self._time_series.arrays()
+                self.summary = {}
+        self.show("New run: statistics reset.", "ok")
+        self.poller.poke()
+
+    def _on_new_run(self, _msg: dict) -> None:
+        self.new_run()
+
+    # For tests and notebooks: the latest series as NumPy arrays.
+    def series_arrays(self) -> dict[str, Any]:
+        """{"steps": {col: np.ndarray}, "series": {col: np.ndarray}} of what the plots show now."""
+        import numpy as np
+
+        return {"steps": {k: np.frombuffer(v, dtype=np.float32) for k, v in self.steps.items()},
+                "series": {k: np.frombuffer(v, dtype=np.float32) for k, v in self.series.items()}}

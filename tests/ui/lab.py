@@ -1,0 +1,128 @@
+"""Helpers for the real-browser tests: an isolated JupyterLab on 127.0.0.1, headless Debian Chromium, and a
+silent side channel into the notebook's kernel (jupyter_client)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"
+# --host-resolver-rules: without it Chromium still sends DNS queries for Google hosts (measured in the recipe).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost"]
+TOKEN = "cbnb-test-token"
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts" / "ui"
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Lab:
+    """A JupyterLab server in a temp dir (own config, data, runtime, settings), started with Popen, stopped by PID."""
+
+    def __init__(self, notebooks: list[Path], env: dict[str, str] | None = None) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="cbnb-lab-"))
+        self.nbdir = self.tmp / "nb"
+        self.nbdir.mkdir()
+        for nb in notebooks:
+            shutil.copy(nb, self.nbdir / nb.name)
+        self.port = free_port()
+        self.env = dict(os.environ, JUPYTER_CONFIG_DIR=str(self.tmp / "cfg"), JUPYTER_DATA_DIR=str(self.tmp / "data"),
+                        JUPYTER_RUNTIME_DIR=str(self.tmp / "rt"), JUPYTERLAB_SETTINGS_DIR=str(self.tmp / "settings"),
+                        JUPYTERLAB_WORKSPACES_DIR=str(self.tmp / "ws"), IPYTHONDIR=str(self.tmp / "ipy"),
+                        TOKENIZERS_PARALLELISM="false", **(env or {}))
+        s = self.tmp / "settings" / "@jupyterlab" / "apputils-extension"
+        s.mkdir(parents=True)
+        (s / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "Lab":
+        jupyter = Path(sys.executable).parent / "jupyter"
+        cmd = [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
+               f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.nbdir}",
+               "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+               "--LabApp.expose_app_in_browser=True"]
+        self.log = open(self.tmp / "lab.log", "w")
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.nbdir)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/api/status?token={TOKEN}", timeout=1).read()
+                return self
+            except Exception:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("jupyter lab exited:\n" + (self.tmp / "lab.log").read_text())
+                time.sleep(0.1)
+        raise RuntimeError("jupyter lab did not answer in time")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's PID (it shuts its kernels down), then any child it left, by PID."""
+        if self.proc is None:
+            return
+        try:
+            import psutil
+
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except Exception:
+            kids = []
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        for k in kids:
+            try:
+                if k.is_running():
+                    k.terminate()
+                    k.wait(5)
+            except Exception:
+                pass
+        self.proc = None
+        self.log.close()
+
+    # ------------------------------------------------------------------------------------------ kernel side channel
+    def kernel_eval(self, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
+        """Evaluate expressions silently in the (only) notebook kernel; returns their text/plain reprs."""
+        import jupyter_client
+
+        sess = json.load(urllib.request.urlopen(f"{self.url}/api/sessions?token={TOKEN}"))
+        cf = self.tmp / "rt" / f"kernel-{sess[0]['kernel']['id']}.json"
+        kc = jupyter_client.BlockingKernelClient(connection_file=str(cf))
+        kc.load_connection_file()
+        kc.start_channels()
+        try:
+            mid = kc.execute("", silent=True, store_history=False, user_expressions=exprs)
+            deadline = time.monotonic() + timeout
+            while True:
+                rep = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+                if rep["parent_header"].get("msg_id") == mid:
+                    break
+            out = {}
+            for k, v in rep["content"]["user_expressions"].items():
+                if v.get("status") != "ok":
+                    raise RuntimeError(f"{k}: {v.get('ename')}: {v.get('evalue')}")
+                out[k] = v["data"]["text/plain"]
+            return out
+        finally:
+            kc.stop_channels()

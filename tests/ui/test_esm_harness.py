@@ -1,0 +1,202 @@
+"""Front-end logic of the panels in headless Chromium, without Jupyter (see harness.py): drawing 100,000 blocks,
+hover, keyboard on a slider, buttons and the messages they send. One browser for the module."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .harness import mount, py_set, widget_state
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def page():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (scripts/setup.sh --browser)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        pg = browser.new_page(viewport={"width": 1000, "height": 1600})
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.errors = errors
+        yield pg
+        browser.close()
+    assert errors == [], errors
+
+
+class _Eng:
+    from cbnb.events import EventLog
+
+    events = EventLog(10)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    import cbnb
+    from cbnb.models import load_model
+
+    model, _ = load_model("tiny:llama")
+    return cbnb.Engine(model, None, cbnb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64))
+
+
+def sent(page):
+    return page.evaluate("() => window.__h.sent")
+
+
+def test_kvmap_draws_100k_blocks_and_hover_asks_for_owner(page):
+    from test_ui_state import synthetic_snapshot  # tests/ is on sys.path (rootdir-relative import mode)
+
+    from cbnb.ui.kvmap import KVPageMapPanel
+    from cbnb.ui.poller import Frame
+
+    panel = KVPageMapPanel(_Eng(), autostart=False)
+    snap = synthetic_snapshot(100_000)
+    panel._update(Frame(wall=time.time(), snapshot=snap))
+    mount(page, panel)
+    page.wait_for_selector(".cbnb-kvmap canvas")
+    # Redraw time for a changed map of 100k blocks (the draw runs synchronously on change:cells).
+    snap2 = synthetic_snapshot(100_000, seed=1)
+    panel._update(Frame(wall=time.time(), snapshot=snap2))
+    for cells in (panel.cells, snapshot_cells(snap), panel.cells):
+        py_set(page, "cells", cells)  # drawn in the next animation frame
+    times = page.evaluate("() => document.querySelector('.cbnb-kvmap').__cbnbDrawMs.slice(-3)")
+    (ARTIFACTS / "kvmap_100k_draw_ms.json").write_text(json.dumps(times))
+    print("kvmap 100k redraw ms", [round(t, 1) for t in times])
+    assert np.median(times) < 250
+    # Pixel check: the colour under a few blocks matches their state.
+    info = page.evaluate("""() => { const c = document.querySelector('.cbnb-kvmap canvas');
+        return {w: c.width, h: c.height}; }""")
+    assert info["w"] > 0 and info["h"] > 0
+    title = page.locator(".cbnb-kv-group-title").text_content()
+    assert "100,000 blocks" in title and "full_attention" in title
+    legend = page.locator(".cbnb-kvmap .cbnb-legend").text_content()
+    assert "reserved padding: 2" in legend
+    # Hover block 5: the panel asks Python for its owner; the answer shows in the tooltip.
+    canvas = page.locator(".cbnb-kvmap canvas")
+    box = canvas.bounding_box()
+    page.mouse.move(box["x"] + 1, box["y"] + 1)  # block 0
+    hover = [m for m in sent(page) if m.get("kind") == "hover"][-1]
+    assert hover["block"] == 0 and hover["group"] == 0
+    reply = {"kind": "hover", "seq": hover["seq"], **panel.details(0, 0)}
+    page.evaluate("(m) => window.__h.pySend(m)", reply)
+    tip = page.locator(".cbnb-kv-tooltip").text_content()
+    assert "block 0 · reserved" in tip and "owner" in tip and "padding block" in tip
+    vis = [m for m in sent(page) if m.get("kind") == "visible"]
+    assert vis and vis[-1]["on"] is True
+    page.screenshot(path=str(ARTIFACTS / "harness-kvmap-100k.png"))
+
+
+def b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+def snapshot_cells(snap) -> bytes:
+    from cbnb.ui.state import encode_kv
+
+    return encode_kv(snap)[1]
+
+
+def test_config_slider_keys_edit_values_and_apply_sends(page, tiny_engine):
+    from cbnb.ui.config_panel import ConfigPanel
+
+    panel = ConfigPanel(tiny_engine, autostart=False)
+    mount(page, panel)
+    slider = page.locator(".cbnb-config input[type=range][data-field=max_batch_tokens]")
+    slider.focus()
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowRight")
+    vals = page.evaluate("() => window.__h.data.values")
+    assert vals["max_batch_tokens"] == 64 + 2 * 16
+    assert page.evaluate("() => window.__h.saved.length") >= 2
+    assert "1 change" in page.locator(".cbnb-config .cbnb-changed").text_content()
+    assert "(now 64)" in page.locator(".cbnb-config-row[data-field=max_batch_tokens] .cbnb-config-value").text_content()
+    # Python answers the edit with a new preview: simulate it, the bars and code follow.
+    panel.values = vals
+    py_set(page, "memory", panel.memory)
+    py_set(page, "code", panel.code)
+    assert "max_batch_tokens=96" in page.locator(".cbnb-config .cbnb-code").text_content()
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=kv_cache]").count() == 2
+    page.locator(".cbnb-config .cbnb-apply").click()
+    m = sent(page)[-1]
+    assert m["kind"] == "apply" and m["values"]["max_batch_tokens"] == 96
+    # An invalid preview disables Apply.
+    py_set(page, "memory", {**panel.memory, "error": "page_size must be an integer >= 4"})
+    assert page.locator(".cbnb-config .cbnb-apply").is_disabled()
+    # On CPU the CUDA-only toggles are greyed out.
+    assert "cbnb-inactive" in page.locator(".cbnb-config-row[data-field=use_cuda_graph]").get_attribute("class")
+
+
+def test_submit_and_stream_buttons_send_messages(page, tiny_engine):
+    from cbnb.ui.stream import TokenStreamPanel
+    from cbnb.ui.submit import SubmitPanel
+
+    sub = SubmitPanel(tiny_engine, autostart=False)
+    mount(page, sub)
+    page.locator(".cbnb-prompt").press_sequentially("Hi there")
+    page.locator(".cbnb-max-new").fill("12")
+    page.locator(".cbnb-submit-btn").click()
+    assert sent(page)[-1] == {"kind": "submit", "prompt": "Hi there", "max_new_tokens": 12, "temperature": 0}
+    page.locator(".cbnb-max-new").fill("")
+    page.locator(".cbnb-prompt").press("Control+Enter")
+    assert sent(page)[-1]["max_new_tokens"] is None  # Python answers with a message (see test_ui_panels)
+    page.locator(".cbnb-workload-btn").click()
+    assert sent(page)[-1] == {"kind": "workload", "name": "cpu-32", "scale": 0.25}
+    py_set(page, "message_kind", "error")
+    py_set(page, "message", "The prompt is empty")
+    assert page.locator(".cbnb-message.cbnb-msg-error").text_content() == "The prompt is empty"
+
+    st = TokenStreamPanel(tiny_engine, autostart=False)
+    mount(page, st)
+    assert page.locator(".cbnb-empty").is_visible()
+    items = [{"id": "req-1", "state": "DECODING", "text": "Hello", "n": 2, "max": 8, "error": "", "reason": ""},
+             {"id": "req-0", "state": "FAILED", "text": "", "n": 0, "max": None, "error": "too long", "reason": "error"}]
+    py_set(page, "items", items)
+    assert page.locator(".cbnb-stream-item[data-id=req-1] .cbnb-stream-text").text_content() == "Hello"
+    assert "2/8 tokens" in page.locator(".cbnb-stream-item[data-id=req-1]").text_content()
+    assert page.locator(".cbnb-stream-item[data-id=req-0] .cbnb-cancel").is_hidden()
+    assert "error: too long" in page.locator(".cbnb-stream-item[data-id=req-0]").text_content()
+    py_set(page, "items", [dict(items[0], text="Hello world", n=3), items[1]])
+    assert page.locator(".cbnb-stream-item[data-id=req-1] .cbnb-stream-text").text_content() == "Hello world"
+    page.locator(".cbnb-stream-item[data-id=req-1] .cbnb-cancel").click()
+    assert sent(page)[-1] == {"kind": "cancel", "id": "req-1"}
+
+
+def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
+    from cbnb.ui.plots import LivePlotsPanel, plotly_lib
+
+    plots = LivePlotsPanel(tiny_engine, autostart=False)
+    for i in range(240):
+        plots._step_series.append({"step": i + 1, "prefill": (i * 7) % 64, "decode": 8, "budget": 64, "requests": 3,
+                                   "skip_token_budget": i % 3})
+    for i in range(600):
+        plots._time_series.append({c: float((i * 13) % 97) for c in plots._time_series.columns} | {"t": i / 10})
+    plots.steps = plots._step_series.arrays()
+    plots.series = plots._time_series.arrays()
+    plots.summary = {"steps": 240, "device": "cpu", "graphs_enabled": False, "graph_captures": 0,
+                     "graph_replays": 0, "swaps": 0, "soft_resets": 0, "finished": 3, "prefix_hit_tokens": 0}
+    lib = plotly_lib()
+    mount(page, plots, models={lib.model_id: widget_state(lib)})
+    page.wait_for_function("() => (document.querySelector('.cbnb-plot-grid') || {}).__cbnbDraws >= 6",
+                           timeout=60_000)
+    n = page.evaluate("() => document.querySelectorAll('.cbnb-plots .js-plotly-plot').length")
+    assert n == 6
+    x = page.evaluate("() => Array.from(document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x)")
+    assert x == list(range(1, 241))
+    names = page.evaluate("() => document.querySelectorAll('.cbnb-plots .js-plotly-plot')[1].data.map(t => t.name)")
+    assert names == ["token budget"]  # only reasons that occurred
+    text = page.locator(".cbnb-plots").text_content()
+    assert "CUDA graphs: 0 captures, 0 replays (cpu: graphs off)" in text
+    cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawMs")
+    (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
+    page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)

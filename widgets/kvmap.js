@@ -1,0 +1,214 @@
+// KV page map: every block of every layer group as a cell on a canvas (ImageData, so 100k blocks draw in a few
+// ms). One byte per block: state code in bits 0-2, min(refcount, 31) in bits 3-7. Hover asks Python for owners.
+
+const KV_STATES = ["free", "allocated", "shared", "cached", "reserved", "other_group"];
+const KV_LABELS = {
+  free: "free", allocated: "allocated (1 request)", shared: "shared (refcount ≥ 2)",
+  cached: "cached prefix (no owner)", reserved: "reserved padding", other_group: "other layer group",
+};
+// [r, g, b] per state; allocated/shared hues depend on the attention type.
+const KV_BASE = { free: [226, 228, 232], cached: [242, 169, 59], reserved: [60, 60, 60], other_group: [250, 250, 250] };
+const KV_HUES = {
+  full_attention: { allocated: [76, 120, 168], shared: [123, 50, 148] },
+  sliding_attention: { allocated: [89, 161, 79], shared: [0, 128, 128] },
+};
+
+function kvPalette(attn) {
+  const hue = KV_HUES[attn] || KV_HUES.full_attention;
+  const pal = new Uint32Array(256);
+  const pack = ([r, g, b]) => (255 << 24) | (b << 16) | (g << 8) | r; // little-endian RGBA
+  for (let v = 0; v < 256; v++) {
+    const st = KV_STATES[v & 7] || "free";
+    const rc = v >> 3;
+    let c = KV_BASE[st] || hue[st] || [255, 0, 255];
+    if (st === "allocated") c = hue.allocated;
+    if (st === "shared") {
+      const k = Math.min(1, (rc - 2) / 6); // darker with more sharers
+      c = hue.shared.map((x) => Math.round(x * (1 - 0.45 * k)));
+    }
+    pal[v] = pack(c);
+  }
+  return pal;
+}
+
+function kvCss([r, g, b]) { return `rgb(${r},${g},${b})`; }
+
+function initialize({ model }) {
+  cbnbTrackLatency(model, "kvmap");
+}
+
+function render({ model, el }) {
+  const f = cbnbFrame(el, model, "cbnb-kvmap", "KV page map");
+  const legend = cbnbEl("div", "cbnb-legend");
+  const grids = cbnbEl("div", "cbnb-kv-grids");
+  const tip = cbnbEl("div", "cbnb-kv-tooltip");
+  tip.style.display = "none";
+  f.body.append(legend, grids, tip);
+  f.root.style.position = "relative";
+  const viewId = Math.random().toString(36).slice(2);
+  let seq = 0;
+  let hovered = null; // {group, block, seq}
+  let layouts = []; // per group: {canvas, cell, cols, n, meta}
+
+  const drawLegend = (groups) => {
+    const tot = {};
+    for (const g of groups) for (const [k, v] of Object.entries(g.counts || {})) tot[k] = (tot[k] || 0) + v;
+    const attn = groups.length ? groups[0].attention_type : "full_attention";
+    const hue = KV_HUES[attn] || KV_HUES.full_attention;
+    const items = KV_STATES.filter((s) => s !== "other_group" || tot[s]).map((s) => {
+      const it = cbnbEl("span", "cbnb-legend-item");
+      const sw = cbnbEl("span", "cbnb-swatch");
+      sw.style.background = kvCss(KV_BASE[s] || hue[s]);
+      it.append(sw, cbnbEl("span", null, `${KV_LABELS[s]}: ${(tot[s] || 0).toLocaleString()}`));
+      it.dataset.state = s;
+      return it;
+    });
+    legend.replaceChildren(...items);
+  };
+
+  const draw = () => {
+    const groups = model.get("groups") || [];
+    const cells = cbnbBytes(model.get("cells"));
+    drawLegend(groups);
+    const width = Math.max(240, (grids.clientWidth || el.clientWidth || 560) - 4);
+    if (layouts.length !== groups.length) {
+      grids.replaceChildren();
+      layouts = groups.map(() => {
+        const box = cbnbEl("div", "cbnb-kv-group");
+        const title = cbnbEl("div", "cbnb-kv-group-title");
+        const canvas = cbnbEl("canvas", "cbnb-kv-canvas");
+        box.append(title, canvas);
+        grids.append(box);
+        return { box, title, canvas };
+      });
+    }
+    groups.forEach((g, gi) => {
+      const L = layouts[gi];
+      const n = g.num_blocks;
+      // Cell size: as large as fits about 360 px of height, 2..14 px; 1 px gaps from 6 px up.
+      let cell = Math.floor(Math.sqrt((width * 360) / Math.max(1, n)));
+      cell = Math.max(2, Math.min(14, cell));
+      const cols = Math.max(1, Math.floor(width / cell));
+      const rows = Math.ceil(n / cols);
+      const w = cols * cell, h = rows * cell;
+      if (L.canvas.width !== w || L.canvas.height !== h) { L.canvas.width = w; L.canvas.height = h; }
+      L.cell = cell; L.cols = cols; L.n = n; L.meta = g;
+      L.title.textContent = `group ${g.index} · ${g.attention_type} · ${g.num_layers} layers · page ${g.page_size} tokens · `
+        + `${n.toLocaleString()} blocks · ${(g.tokens_filled || 0).toLocaleString()} tokens filled`;
+      const ctx = L.canvas.getContext("2d");
+      const img = ctx.createImageData(w, h);
+      const px = new Uint32Array(img.data.buffer);
+      const pal = kvPalette(g.attention_type);
+      const gap = cell >= 6 ? 1 : 0;
+      const inner = cell - gap;
+      const base = g.offset;
+      for (let b = 0; b < n; b++) {
+        const color = pal[cells[base + b] || 0];
+        const x0 = (b % cols) * cell, y0 = Math.floor(b / cols) * cell;
+        for (let y = 0; y < inner; y++) {
+          const row = (y0 + y) * w + x0;
+          for (let x = 0; x < inner; x++) px[row + x] = color;
+        }
+      }
+      ctx.putImageData(img, 0, 0);
+    });
+    L_updateTip();
+  };
+
+  const stateAt = (gi, b) => {
+    const g = layouts[gi].meta;
+    const v = cbnbBytes(model.get("cells"))[g.offset + b] || 0;
+    return { state: KV_STATES[v & 7], refcount: v >> 3 };
+  };
+  const L_updateTip = () => {
+    if (!hovered) return;
+    const { state, refcount } = stateAt(hovered.group, hovered.block);
+    hovered.local = `group ${hovered.group} · block ${hovered.block} · ${state}` + (refcount ? ` · refcount ${refcount}` : "");
+    tip.textContent = hovered.local + (hovered.detail ? `\n${hovered.detail}` : "");
+  };
+
+  const onMove = (gi) => (e) => {
+    const L = layouts[gi];
+    if (!L || !L.cell) return;
+    const r = L.canvas.getBoundingClientRect();
+    const col = Math.floor((e.clientX - r.left) / L.cell), row = Math.floor((e.clientY - r.top) / L.cell);
+    const b = row * L.cols + col;
+    if (col < 0 || col >= L.cols || b < 0 || b >= L.n) { tip.style.display = "none"; hovered = null; return; }
+    const rootBox = f.root.getBoundingClientRect();
+    tip.style.left = `${e.clientX - rootBox.left + 12}px`;
+    tip.style.top = `${e.clientY - rootBox.top + 12}px`;
+    tip.style.display = "";
+    if (hovered && hovered.group === gi && hovered.block === b) return;
+    hovered = { group: gi, block: b, seq: ++seq, detail: "" };
+    L_updateTip();
+    model.send({ kind: "hover", group: gi, block: b, seq: hovered.seq });
+  };
+  const onLeave = () => { tip.style.display = "none"; hovered = null; };
+  const onMsg = (msg) => {
+    if (!msg || msg.kind !== "hover" || !hovered || msg.seq !== hovered.seq) return;
+    if (msg.error) hovered.detail = msg.error;
+    else {
+      const owners = msg.owners && msg.owners.length ? msg.owners.join(", ") : "none";
+      hovered.detail = `owner${msg.owners && msg.owners.length > 1 ? "s" : ""}: ${owners} · tokens filled ${msg.tokens}/${msg.page_size}`
+        + (msg.padding ? " · padding block" : "");
+    }
+    L_updateTip();
+  };
+  model.on("msg:custom", onMsg);
+  grids.addEventListener("mouseleave", onLeave);
+  const listeners = [];
+  const attach = () => {
+    layouts.forEach((L, gi) => {
+      if (L.bound) return;
+      L.bound = true;
+      const h = onMove(gi);
+      L.canvas.addEventListener("mousemove", h);
+      listeners.push([L.canvas, h]);
+    });
+  };
+  const redraw = () => {
+    const t0 = performance.now();
+    draw();
+    attach();
+    (f.root.__cbnbDrawMs = f.root.__cbnbDrawMs || []).push(performance.now() - t0);
+    if (f.root.__cbnbDrawMs.length > 200) f.root.__cbnbDrawMs.splice(0, 100);
+    cbnbRecordRender(model, "kvmap");
+  };
+  const schedule = cbnbOnFrame(redraw);
+  model.on("change:cells", schedule);
+  model.on("change:groups", schedule);
+
+  // Only ask for snapshots while the map is on screen.
+  let obs = null;
+  if (typeof IntersectionObserver !== "undefined") {
+    obs = new IntersectionObserver((entries) => {
+      for (const en of entries) model.send({ kind: "visible", view: viewId, on: en.isIntersecting });
+    });
+    obs.observe(f.root);
+  } else {
+    model.send({ kind: "visible", view: viewId, on: true });
+  }
+  let ro = null;
+  if (typeof ResizeObserver !== "undefined") {
+    let lastW = 0;
+    ro = new ResizeObserver(() => {
+      const w = grids.clientWidth;
+      if (w && Math.abs(w - lastW) > 8) { lastW = w; redraw(); }
+    });
+    ro.observe(grids);
+  }
+  requestAnimationFrame(redraw);
+  redraw();
+  return () => {
+    f.cleanup();
+    model.off("msg:custom", onMsg);
+    model.off("change:cells", schedule);
+    model.off("change:groups", schedule);
+    for (const [c, h] of listeners) c.removeEventListener("mousemove", h);
+    if (obs) obs.disconnect();
+    if (ro) ro.disconnect();
+    try { model.send({ kind: "visible", view: viewId, on: false }); } catch (e) { /* comm closed */ }
+  };
+}
+
+export default { initialize, render };

@@ -1,0 +1,65 @@
+// Token stream panel: one card per request whose text grows as tokens arrive; cancel buttons for live ones.
+
+function initialize({ model }) {
+  cbnbTrackLatency(model, "stream");
+}
+
+function render({ model, el }) {
+  const f = cbnbFrame(el, model, "cbnb-stream", "Token stream");
+  const list = cbnbEl("div", "cbnb-stream-list");
+  const empty = cbnbEl("div", "cbnb-empty", "No requests yet: submit a prompt.");
+  f.body.append(empty, list);
+  const cards = new Map(); // id -> {card, badge, count, text, error, cancel, last}
+
+  const makeCard = (id) => {
+    const card = cbnbEl("div", "cbnb-stream-item");
+    card.dataset.id = id;
+    const head = cbnbEl("div", "cbnb-stream-head");
+    const name = cbnbEl("span", "cbnb-req-id", id);
+    const badge = cbnbEl("span");
+    const count = cbnbEl("span", "cbnb-count");
+    const cancel = cbnbEl("button", "cbnb-btn cbnb-small cbnb-cancel", "Cancel");
+    cancel.title = "Cancel this request (its blocks are freed at once)";
+    cancel.addEventListener("click", () => model.send({ kind: "cancel", id }));
+    head.append(name, badge, count, cancel);
+    const text = cbnbEl("div", "cbnb-stream-text");
+    const error = cbnbEl("div", "cbnb-stream-error");
+    card.append(head, text, error);
+    return { card, badge, count, text, error, cancel, last: {} };
+  };
+
+  const draw = () => {
+    const items = model.get("items") || [];
+    empty.style.display = items.length ? "none" : "";
+    const seen = new Set();
+    items.forEach((it, i) => {
+      seen.add(it.id);
+      let c = cards.get(it.id);
+      if (!c) { c = makeCard(it.id); cards.set(it.id, c); }
+      if (c.last.state !== it.state) {
+        c.badge.replaceWith((c.badge = cbnbStateBadge(it.state)));
+        c.card.dataset.state = it.state;
+        c.card.classList.toggle("cbnb-ended", CBNB_TERMINAL.has(it.state));
+        c.cancel.style.display = CBNB_TERMINAL.has(it.state) ? "none" : "";
+      }
+      const count = it.max ? `${it.n}/${it.max} tokens` : `${it.n} tokens`;
+      if (c.count.textContent !== count) c.count.textContent = count;
+      if (c.last.text !== it.text) c.text.textContent = it.text;
+      const err = it.error ? `${it.state === "CANCELLED" ? "cancelled" : "error"}: ${it.error}` : "";
+      if (c.error.textContent !== err) c.error.textContent = err;
+      c.error.style.display = err ? "" : "none";
+      c.last = it;
+      if (list.children[i] !== c.card) list.insertBefore(c.card, list.children[i] || null);
+    });
+    for (const [id, c] of cards) {
+      if (!seen.has(id)) { c.card.remove(); cards.delete(id); }
+    }
+    cbnbRecordRender(model, "stream");
+  };
+  const schedule = cbnbOnFrame(draw);
+  model.on("change:items", schedule);
+  draw();
+  return () => { f.cleanup(); model.off("change:items", schedule); };
+}
+
+export default { initialize, render };
