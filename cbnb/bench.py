@@ -238,9 +238,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     results: list[PeerResult] = []
     variants = [v for v in (args.variants or "").split(",") if v]
     for peer in peers:
+        _release_memory()
         if peer == "cbnb":
             if variants:
                 for v in variants:
+                    _release_memory()
                     results.append(_run_variant(model, tokenizer, wl, config, v))
             else:
                 results.append(run_cbnb(model, tokenizer, wl, config))
@@ -264,6 +266,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         } for r in results],
     }
     return report
+
+
+def _release_memory() -> None:
+    """Drop the previous peer's engine before the next one sizes its cache from free memory."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _guard(name: str, fn: Callable[[], PeerResult]) -> PeerResult:

@@ -310,6 +310,11 @@ class Engine:
     def running(self) -> bool:
         return self._state == "running"
 
+    @property
+    def state(self) -> str:
+        """"created", "running", "stopped" or "dead" (see `error`)."""
+        return self._state
+
     def start(self) -> "Engine":
         """Start the background loop (no-op when running).
 
@@ -421,6 +426,7 @@ class Engine:
         Raises:
             ValueError: bad prompt or sampling values (the message names the field), a duplicate request_id, or a
                 prompt with no room to generate within the model's max positions.
+            queue.Full: when `config.max_queue_size` requests are already unfinished (0 = unbounded).
             EngineStoppedError: after `stop()`.
         """
         self._ensure_running()
@@ -445,6 +451,10 @@ class Engine:
             with self._handles_lock:
                 if rid in self._handles:
                     raise ValueError(f"request_id {rid!r} is already in use")
+                limit = self.config.max_queue_size
+                if limit and len(self._handles) >= limit:
+                    raise queue.Full(f"{len(self._handles)} requests are unfinished and max_queue_size is {limit}: "
+                                     "wait for some to finish or raise ContinuousBatchingConfig.max_queue_size")
                 self._handles[rid] = handle
             self._post(("submit", req))
         return handle

@@ -12,6 +12,7 @@ cursor N"; subscribers get each step's batch of events on the engine thread (kee
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import deque
@@ -270,8 +271,9 @@ class EventLog:
             oldest = self._next - len(self._buf)
             start = max(cursor, oldest)
             dropped = max(0, oldest - cursor)
-            skip = start - oldest
-            items = list(self._buf)[skip:] if skip < len(self._buf) else []
+            n = self._next - start
+            # Copy only the tail the caller has not read (the log may hold 100,000 records).
+            items = list(itertools.islice(reversed(self._buf), n))[::-1] if n > 0 else []
             return items, self._next, dropped
 
     def subscribe(self, callback: Callable[[list[Event]], None]) -> Callable[[], None]:

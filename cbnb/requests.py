@@ -338,6 +338,7 @@ class Request:
             prefix_cached_tokens=self.prefix_cached_tokens,
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
+            max_new_tokens=self.max_new_tokens,
         )
 
     def __repr__(self) -> str:
@@ -363,6 +364,7 @@ class RequestOutput:
         prefix_cached_tokens: prompt tokens served from the prefix cache (over the request's life).
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
+        max_new_tokens: the request's generation limit in tokens (None: unbounded).
     """
 
     request_id: str
@@ -376,6 +378,7 @@ class RequestOutput:
     prefix_cached_tokens: int = 0
     num_offloads: int = 0
     num_soft_resets: int = 0
+    max_new_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,7 @@ class SkipReason(str, enum.Enum):
     NO_FREE_BLOCKS = "no_free_blocks"
     STALLED_AHEAD = "stalled_ahead"
     OFFLOAD_BACKOFF = "offload_backoff"
+    FINISHING = "finishing"  # async only: its last token is in flight
 
 
 @dataclass
@@ -275,6 +276,10 @@ class Scheduler:
                 skip(SkipReason.STALLED_AHEAD, rid, stalled=len(plan.stalled))
                 continue
             num_tokens = len(req.prompt_ids) + len(req.output_ids) + req.pending_samples
+            if req.pending_samples and req.max_new_tokens is not None and (
+                    len(req.output_ids) + req.pending_samples >= req.max_new_tokens):
+                skip(SkipReason.FINISHING, rid)  # async: its last token is in flight; done when that step applies
+                continue
             computed = req.num_computed
             # `Request.is_decode`, inlined (hot path).
             decode = (num_tokens - computed == 1 and (len(req.output_ids) + req.pending_samples) > 0

@@ -88,10 +88,12 @@ def _longgen(rng: random.Random, vocab: int, scale: float) -> Workload:
     n = _n(16, scale)
     prompts = [_ids(rng, _n(rng.randint(16, 64), scale, 4), vocab) for _ in range(n)]
     gen = _n(512, scale)
-    # A cache for about a quarter of the final tokens, so requests must be offloaded or soft-reset.
+    # A cache for about a quarter of the final tokens, so requests must be offloaded or soft-reset, but never
+    # smaller than two of the longest requests (one must always fit whole, or it would fail instead).
     total = sum(len(p) + gen for p in prompts)
     page = 16
-    blocks = max(4, total // (4 * page))
+    longest = max(len(p) for p in prompts) + gen
+    blocks = max(total // (4 * page), 2 * -(-longest // page))
     return Workload("long-gen", "smollm2-135m", prompts, [gen] * n,
                     {"page_size": page, "num_blocks": blocks, "max_batch_tokens": 256},
                     description="16 short prompts generating 512 tokens each in a cache too small for all")

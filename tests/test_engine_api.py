@@ -418,3 +418,19 @@ def test_default_eos_is_the_models(llama):
     model, _ = llama
     engine = cbnb.Engine(model)
     assert engine.default_eos == frozenset({model.generation_config.eos_token_id})
+
+
+def test_max_queue_size_bounds_unfinished_requests(llama):
+    import queue as _queue
+
+    model, _ = llama
+    eng = cbnb.Engine(model, config=cbnb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_queue_size=2))
+    with paused(eng):
+        a = eng.submit([5, 6, 7], max_new_tokens=3, eos_token_id=-1)
+        b = eng.submit([8, 9, 10], max_new_tokens=3, eos_token_id=-1)
+        with pytest.raises(_queue.Full, match="max_queue_size is 2"):
+            eng.submit([11, 12], max_new_tokens=3, eos_token_id=-1)
+    assert a.result(TIMEOUT).state == RequestState.FINISHED and b.result(TIMEOUT).state == RequestState.FINISHED
+    c = eng.submit([11, 12], max_new_tokens=3, eos_token_id=-1)  # room again once they finished
+    assert c.result(TIMEOUT).state == RequestState.FINISHED
+    eng.stop()

@@ -474,3 +474,15 @@ def test_async_failed_launch_fails_only_its_batch():
     assert ok, "requests outside the failed batch must go on"
     assert_oracle(name, [STD_PROMPTS[i] for i in ok], [outs[i] for i in ok], STD_NEW)
     assert_cache_empty(eng)
+
+
+def test_async_equals_sync_unseeded_sampling_with_engine_seed():
+    # Requests without their own seed draw from the engine-wide generator (config.seed): async batching schedules a
+    # request once more after its last token is in flight; that step must not draw, or every later sample shifts.
+    name = "tiny:llama"
+    cfg = config(page_size=16, max_batch_tokens=48, q_padding_interval_size=16, kv_padding_interval_size=64, seed=7)
+    samp = dict(do_sample=True, temperature=0.9)
+    ns = [3, 12, 5, 12, 8, 2]
+    _, _, s = run(tiny_model(name), cfg, n=ns, async_=False, sampling=samp)
+    _, _, a = run(tiny_model(name), cfg, n=ns, async_=True, sampling=samp)
+    assert _tokens(s) == _tokens(a)

@@ -315,3 +315,24 @@ def test_assets_are_esm_modules_with_shared_helpers():
     assert _assets.asset_origin() in ("package", "checkout")
     with pytest.raises(FileNotFoundError):
         _assets.read_asset("missing.js")
+
+
+@pytest.mark.parametrize("headless", [False, True])
+def test_closing_the_dashboard_releases_the_engine(headless):
+    import gc
+    import weakref
+
+    import ipywidgets.widgets.widget as W
+
+    eng = cbnb.Engine(tiny_model("tiny:llama"), FakeTokenizer(), cbnb.ContinuousBatchingConfig(**CFG))
+    ref = weakref.ref(eng)
+    before = set(W._instances)
+    d = attach_headless_dashboard(eng) if headless else Dashboard(eng)
+    with eng:
+        eng.generate([ids(8)], max_new_tokens=2)
+    d.close()
+    del d, eng
+    gc.collect()
+    assert ref() is None  # the benchmark builds one engine per variant: a leak would skew its memory figures
+    left = [type(W._instances[k]).__name__ for k in set(W._instances) - before]
+    assert set(left) <= {"PlotlyLib", "Layout"} and len(left) <= 2, left  # the shared plotly.js carrier

@@ -113,6 +113,8 @@ def test_step_series_counts_left_out_requests_by_reason():
     arrays = s.arrays()
     assert set(arrays) == {"step", "prefill", "decode", "budget", "requests"} | {f"skip_{r}" for r in SKIP_REASONS}
     assert np.frombuffer(arrays["step"], dtype=np.float32).tolist() == [3, 4, 5]
+    s.add_events([step_event(1, 10, 0)])  # a reconfigured engine counts from 1 again: start afresh
+    assert s.column("step").tolist() == [1]
 
 
 def stats(out_tokens, prefill=0, ttft=None, hit=0, swaps=0):

@@ -129,7 +129,10 @@ async function render({ model, el }) {
   const plots = Array.from({ length: 6 }, () => grid.appendChild(cbnbEl("div", "cbnb-plot")));
   const status = cbnbEl("div", "cbnb-hint", "Loading plotly.js…");
   f.body.append(bar, status, grid);
-  let alive = true, drawing = false, soon = null, idle = null, next = 0, P = null;
+  let alive = true, drawing = false, soon = null, idle = null, next = 0, P = null, lastDraw = 0;
+  // A chart redraw blocks the page for 15-150 ms; at most one every MIN_GAP_MS keeps the page free to take the
+  // other panels' updates promptly (measured: drawing after every 10 Hz tick pushed their p95 latency over 100 ms).
+  const MIN_GAP_MS = 400;
   const dirty = new Set([0, 1, 2, 3, 4, 5]);
   // Charts scrolled out of view are not redrawn (they stay dirty until they come back).
   const visible = new Set(typeof IntersectionObserver === "undefined" ? [0, 1, 2, 3, 4, 5] : []);
@@ -142,8 +145,8 @@ async function render({ model, el }) {
   };
   const CHARTS_OF = { steps: [0, 1], series: [2, 3, 4, 5], summary: [3, 4], reasons: [1] };
 
-  // One chart per update, drawn right after the update's messages (the poller sends a panel's updates in one
-  // burst per tick, so a chart drawn then rarely holds up the next burst); the rest are drawn once updates pause.
+  // One chart per update, at most one every MIN_GAP_MS, round robin over the dirty visible charts; the rest are
+  // drawn once updates pause.
   const drawOne = async () => {
     soon = null;
     if (!P || drawing || !alive) return;
@@ -156,7 +159,8 @@ async function render({ model, el }) {
       const fig = plotsFigures(model)[i]();
       const t0 = performance.now();
       await P.react(plots[i], fig.traces, fig.layout, { displayModeBar: false, responsive: true });
-      const cost = performance.now() - t0;
+      lastDraw = performance.now();
+      const cost = lastDraw - t0;
       grid.__cbnbDraws = (grid.__cbnbDraws || 0) + 1;
       (grid.__cbnbDrawMs = grid.__cbnbDrawMs || []).push(Math.round(cost));
       if (grid.__cbnbDrawMs.length > 400) grid.__cbnbDrawMs.splice(0, 200);
@@ -168,14 +172,14 @@ async function render({ model, el }) {
     idle = null;
     while (alive && pick() >= 0 && !soon) {
       await drawOne();
-      await new Promise((r) => setTimeout(r, 0)); // let any widget message through between charts
+      await new Promise((r) => setTimeout(r, 50)); // let widget messages through between charts
     }
   };
   const changed = (name) => () => {
     for (const i of CHARTS_OF[name] || []) dirty.add(i);
     if (name === "summary") summary.textContent = plotsSummaryText(model.get("summary"));
     if (!P) return;
-    if (!soon) soon = setTimeout(drawOne, 0);
+    if (!soon) soon = setTimeout(drawOne, Math.max(0, lastDraw + MIN_GAP_MS - performance.now()));
     if (idle) clearTimeout(idle);
     idle = setTimeout(catchUp, 300);
   };

@@ -8,7 +8,8 @@ Per layer:
 
 1. "ring" prefill rows (sliding layers with a past) read their previous ``window - 1`` tokens first;
 2. every token's K/V is written into its page through the slot mapping (``k_pages[block, offset] = k``);
-3. decode rows attend in one batched call over their own pages (padded with the zero block, masked);
+3. decode rows attend over their own pages: in place when a row's keys fit one page, else in one batched call
+   over gathered pages (padded with the zero block, masked);
 4. prefill rows attend one by one: "fresh" over the chunk itself (causal), "paged" over their pages.
 
 GQA is handled by `scaled_dot_product_attention(..., enable_gqa=True)`; nothing is repeated. No mask spans the
@@ -32,6 +33,16 @@ _registered = False
 def _sdpa(q, k, v, mask, causal, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=True)
+
+
+def _gather_pages(pages: torch.Tensor, table: torch.Tensor, keys: int) -> torch.Tensor:
+    """Keys/values of the pages in `table` ``[B, W]``, flattened to ``[B, keys, Hkv, D]`` (the first `keys` slots).
+
+    A page's slots are contiguous in the pool, so one `index_select` over whole pages is the cheapest gather.
+    """
+    nb, page, hkv, d = pages.shape
+    rows = pages.reshape(nb, page * hkv * d).index_select(0, table.reshape(-1))
+    return rows.view(table.shape[0], table.shape[1] * page, hkv, d)[:, :keys]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -65,13 +76,25 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if row.mode == "ring":
             old[id(row)] = (k_pages[row.old_blocks, row.old_offsets], v_pages[row.old_blocks, row.old_offsets])
 
-    k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
-    v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)
+    if gb.write_rows is not None:
+        # One `index_copy_` per K and V over the pool's token rows (advanced indexing costs ~10x more per call).
+        rows, base = batch.store.token_rows, batch.store.layer_row_offset[layer]
+        page = k_pages.shape[1]
+        rows.index_copy_(0, gb.write_rows + base, k.reshape(k.shape[0], -1).to(rows.dtype))
+        rows.index_copy_(0, gb.write_rows + (base + page), v.reshape(v.shape[0], -1).to(rows.dtype))
+    else:
+        k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
+        v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)
+
+    for row, page, valid in gb.dec_single:
+        # In place: the page's first `valid` slots, viewed [1, Hkv, valid, D]; no mask needed.
+        o = _sdpa(q[row:row + 1].unsqueeze(2), k_pages[page, :valid].transpose(0, 1).unsqueeze(0),
+                  v_pages[page, :valid].transpose(0, 1).unsqueeze(0), None, False, scaling)
+        out[row] = o[0, :, 0]
 
     if gb.dec_rows is not None:
-        bd, width = gb.dec_pages.shape
-        kd = k_pages[gb.dec_pages].reshape(bd, width * k_pages.shape[1], *k_pages.shape[2:]).transpose(1, 2)
-        vd = v_pages[gb.dec_pages].reshape(bd, width * v_pages.shape[1], *v_pages.shape[2:]).transpose(1, 2)
+        kd = _gather_pages(k_pages, gb.dec_pages, gb.dec_keys).transpose(1, 2)  # [Bd, Hkv, keys, D]
+        vd = _gather_pages(v_pages, gb.dec_pages, gb.dec_keys).transpose(1, 2)
         qd = q.index_select(0, gb.dec_rows).unsqueeze(2)  # [Bd, H, 1, D]
         od = _sdpa(qd, kd, vd, gb.dec_mask, False, scaling)
         out[gb.dec_rows] = od.squeeze(2)
@@ -81,8 +104,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if row.mode == "fresh":
             ks, vs = k[row.a:row.b], v[row.a:row.b]
         elif row.mode == "paged":
-            ks = k_pages[row.pages].flatten(0, 1)[: row.length]
-            vs = v_pages[row.pages].flatten(0, 1)[: row.length]
+            ks = _gather_pages(k_pages, row.pages.unsqueeze(0), row.length)[0]
+            vs = _gather_pages(v_pages, row.pages.unsqueeze(0), row.length)[0]
         else:
             ok, ov = old[id(row)]
             ks = torch.cat([ok, k[row.a:row.b]], 0)

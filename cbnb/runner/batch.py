@@ -5,8 +5,9 @@ All requests of a step are packed into one sequence of T query tokens (``input_i
 
 - **write slots** ``(write_block, write_offset)`` ``[T]``: where each token's K/V goes (the write-padding block
   for tokens a sliding layer does not keep);
-- **decode rows** (one query token with a past): their pages ``[Bd, max_pages]`` (padded with the zero
-  read-padding block) and a validity mask ``[Bd, 1, 1, max_pages * page_size]``; one batched attention call;
+- **decode rows** (one query token with a past): a row whose keys fit in one page attends to that page in place
+  (no copy: a page's slots are contiguous); the others gather their pages ``[Bd, max_pages]`` (padded with the zero
+  read-padding block), masked to each row's length, in one batched attention call;
 - **prefill rows**: "fresh" (no past: attend to the chunk's own K/V, causal), "paged" (full attention with a past:
   read the request's pages after writing) or "ring" (sliding attention with a past: read the previous
   ``window - 1`` tokens *before* writing, since the chunk overwrites ring slots they occupy).
@@ -51,9 +52,12 @@ class GroupBatch:
     window: int | None
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
+    write_rows: torch.Tensor | None = None  # [T] token rows of the group's first layer's K (see KVStore.token_rows)
     dec_rows: torch.Tensor | None = None
     dec_pages: torch.Tensor | None = None
-    dec_mask: torch.Tensor | None = None
+    dec_mask: torch.Tensor | None = None  # [Bd, 1, 1, dec_keys] bool
+    dec_keys: int = 0  # keys read per decode row (the longest row's valid keys)
+    dec_single: list[tuple[int, int, int]] = field(default_factory=list)  # (row, page, valid keys), one page each
     prefill: list[PrefillRow] = field(default_factory=list)
 
 
@@ -154,18 +158,30 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
             write_offsets=torch.tensor(w_off[g], dtype=torch.long, device=device),
             prefill=pre[g],
         )
+        if getattr(store, "token_rows", None) is not None:
+            rpb = store.rows_per_block[g]
+            gb.write_rows = torch.tensor([b * rpb + o for b, o in zip(w_blk[g], w_off[g])], dtype=torch.long,
+                                         device=device)
         if dec[g]:
-            rows = [d[0] for d in dec[g]]
-            width = max(len(d[1]) for d in dec[g])
-            pages = np.full((len(rows), width), alloc.read_padding_block, dtype=np.int64)
-            valid = np.empty(len(rows), dtype=np.int64)
-            for r, (_, pg, v) in enumerate(dec[g]):
-                pages[r, : len(pg)] = pg
-                valid[r] = v
-            gb.dec_rows = torch.tensor(rows, dtype=torch.long, device=device)
-            gb.dec_pages = torch.from_numpy(pages).to(device)
-            ar = torch.arange(width * P, device=device)
-            gb.dec_mask = (ar.unsqueeze(0) < torch.from_numpy(valid).to(device).unsqueeze(1))[:, None, None, :]
+            # Rows whose keys sit in one page attend to that page in place (no copy); the others are batched
+            # over gathered pages, padded to the longest of them.
+            single = [(a, pg[0], v) for a, pg, v in dec[g] if len(pg) == 1]
+            multi = [d for d in dec[g] if len(d[1]) > 1]
+            gb.dec_single = single
+            if multi:
+                rows = [d[0] for d in multi]
+                valid = np.fromiter((d[2] for d in multi), dtype=np.int64, count=len(rows))
+                keys = int(valid.max())
+                width = -(-keys // P)  # pages that hold the longest row's keys
+                pages = np.full((len(rows), width), alloc.read_padding_block, dtype=np.int64)
+                for r, (_, pg, _v) in enumerate(multi):
+                    m = min(len(pg), width)
+                    pages[r, :m] = pg[:m]
+                gb.dec_rows = torch.tensor(rows, dtype=torch.long, device=device)
+                gb.dec_pages = torch.from_numpy(pages).to(device)
+                gb.dec_keys = keys
+                ar = torch.arange(keys, device=device)
+                gb.dec_mask = (ar.unsqueeze(0) < torch.from_numpy(valid).to(device).unsqueeze(1))[:, None, None, :]
         groups.append(gb)
     t = len(ids)
     return StepBatch(

@@ -46,7 +46,7 @@ from .attention import paged_attention_forward, register as register_cpu_attenti
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
-from .model_runner import _ACTIVE, _ACTIVE_LOCK, ModelRunner, StepResult
+from .model_runner import ModelRunner, StepResult
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -172,6 +172,8 @@ class CudaModelRunner(ModelRunner):
         attention: "triton" (kernels) or "torch" (the references); default: "triton" on CUDA when importable.
         num_sms: multiprocessors used to pick decode splits (default: the device's, 132 off CUDA).
     """
+
+    attention_name = CUDA_ATTN_NAME
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None,
                  config: Any = None, *, backend: str | None = None, attention: str | None = None,
@@ -335,18 +337,6 @@ class CudaModelRunner(ModelRunner):
     def graph_capture(self, key: tuple, pair: IOPair, shape: StepShape, lay: MetaLayout) -> bool:
         return self.graphs.capture(key, lambda: self._forward(pair, shape, lay),
                                    lambda: self._warmup(pair, shape, lay))
-
-    def activate(self) -> None:
-        """Route the model's attention through "cbnb_cuda" (counted per model, as `ModelRunner.activate`)."""
-        if self._previous_impl is not None:
-            return
-        with _ACTIVE_LOCK:
-            entry = _ACTIVE.get(self.model)
-            if entry is None:
-                entry = _ACTIVE[self.model] = [0, self.model.config._attn_implementation]
-                self.model.set_attn_implementation(CUDA_ATTN_NAME)
-            entry[0] += 1
-            self._previous_impl = entry[1]
 
     def describe(self) -> dict[str, Any]:
         """The effective GPU-path settings (what the config asked for may have been turned off, with the reason)."""
@@ -596,7 +586,10 @@ class CudaModelRunner(ModelRunner):
                 logits = self._forward(pair, shape, lay)
             for row, s in enumerate(samplers):
                 p = s.request.sampling
-                if p.do_sample:
+                left = s.request.tokens_left
+                # A sample past max_new_tokens (async: the step in flight already produced the last token) is never
+                # applied: no draw, so the engine-wide generator advances exactly as in synchronous batching.
+                if p.do_sample and (left is None or left >= 0):
                     g = self.sampler._gen(s.request_id, p)
                     pair.out_dev[row:row + 1].copy_(_sample_row(logits[row], p, g))
             if cuda:

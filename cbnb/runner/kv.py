@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..cache.layout import KVLayout
+from .malloc import tune_malloc
 
 __all__ = ["KVStore"]
 
@@ -47,6 +48,8 @@ class KVStore:
                  swap_sectors: int = 0) -> None:
         if torch.tensor([], dtype=dtype).element_size() != layout.itemsize:
             raise ValueError(f"layout itemsize {layout.itemsize} does not match dtype {dtype}")
+        if device.type == "cpu":
+            tune_malloc()
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -57,6 +60,11 @@ class KVStore:
         self.v: list[torch.Tensor] = [None] * layout.num_layers  # type: ignore[list-item]
         self.block_rows: list[torch.Tensor] = []
         self.layer_group: list[tuple[int, int]] = [(-1, -1)] * layout.num_layers
+        # The pool as token rows of one layer's K (or V): [total_rows, Hkv * D]. Token `o` of block `b`, layer `i`
+        # of group g, K is row `b * rows_per_block[g] + 2 * i * P + o` (V: + P). Writes index it directly.
+        self.token_rows = self.buffer.view(dtype).view(-1, layout.num_kv_heads * layout.head_dim)
+        self.rows_per_block: list[int] = []
+        self.layer_row_offset: list[int] = [0] * layout.num_layers
         P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
         for g in layout.groups:
             n = len(g.layers)
@@ -65,6 +73,8 @@ class KVStore:
                 self.k[layer] = view[:, i, 0]
                 self.v[layer] = view[:, i, 1]
                 self.layer_group[layer] = (g.index, i)
+                self.layer_row_offset[layer] = 2 * i * P
+            self.rows_per_block.append(n * 2 * P)
             self.block_rows.append(self.buffer.view(-1, layout.bytes_per_block(g.index)))
         self.swap_bytes = swap_sectors * bps
         self.host = None

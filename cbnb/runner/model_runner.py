@@ -50,6 +50,9 @@ class ModelRunner:
         seed: engine-wide sampling seed (`ContinuousBatchingConfig.seed`).
     """
 
+    #: The attention implementation this runner routes the model through.
+    attention_name = ATTN_NAME
+
     def __new__(cls, model: torch.nn.Module, cache: CacheManager, store: KVStore, *args, **kwargs):
         # Factory: on a CUDA KV store, `ModelRunner(...)` builds the GPU runner (Triton attention, CUDA graphs, async
         # batching; `cbnb.runner.cuda_runner`). CBNB_CUDA_RUNNER=0 keeps this CPU-path runner on CUDA (debugging);
@@ -85,7 +88,7 @@ class ModelRunner:
             entry = _ACTIVE.get(self.model)
             if entry is None:
                 entry = _ACTIVE[self.model] = [0, self.model.config._attn_implementation]
-                self.model.set_attn_implementation(ATTN_NAME)
+                self.model.set_attn_implementation(self.attention_name)
             entry[0] += 1
             self._previous_impl = entry[1]
 

@@ -348,7 +348,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     cfg = kernel_config(D)
     s_cb, s_cp, s_ch = _cache_strides(k_cache, v_cache)
     _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           s_cb, s_cp, s_ch, HKV=hkv, D=D, BH=max(1, 1 << (hkv - 1).bit_length()), BD=cfg.block_d,
+                           s_cb, s_cp, s_ch, HKV=hkv, D=D, BH=max(2, 1 << (hkv - 1).bit_length()), BD=cfg.block_d,
                            P=k_cache.shape[1], num_warps=cfg.num_warps)
 
 

@@ -155,9 +155,9 @@ class ConfigPanel(Panel):
 
     Every change of `values` (from the controls or from Python) recomputes, without allocating anything:
     the proposed config (`engine.plan_memory`), its memory split next to the current one, and the
-    transformers code for it. `apply()` works on a worker thread, so the kernel stays responsive: it waits until
-    no request is unfinished (see `wait_for_idle`; queued requests finish under the current config, nothing is
-    lost), then calls `engine.reconfigure` and starts a new statistics run (`engine.reset_stats()`), so the plots'
+    transformers code for it. `apply()` works on a worker thread, so the kernel stays responsive: it calls
+    `engine.reconfigure` (unfinished requests are carried into the new cache; with `wait_for_idle` it first waits
+    for them to finish under the current config) and starts a new statistics run (`engine.reset_stats()`), so the plots'
     "this run" figures belong to the new config.
 
     Synced state:
@@ -181,10 +181,9 @@ class ConfigPanel(Panel):
     device = traitlets.Unicode("cpu").tag(sync=True)
     applied_count = traitlets.Int(0).tag(sync=True)
 
-    #: Wait until the engine has no unfinished request before reconfiguring. Needed while `Engine.reconfigure`
-    #: cannot carry requests that already generated tokens (it raises "not a fresh request" half-way through the
-    #: rebuild); queued requests then run to completion under the old config, so nothing is lost.
-    wait_for_idle = True
+    #: Wait until the engine has no unfinished request before reconfiguring. Off by default: `Engine.reconfigure`
+    #: carries unfinished requests into the new cache (they recompute their KV there), so nothing is lost either way.
+    wait_for_idle = False
 
     def _setup(self) -> None:
         self._config_seen = None

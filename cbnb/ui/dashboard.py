@@ -44,11 +44,11 @@ class Dashboard(widgets.VBox):
         self.kvmap = KVPageMapPanel(engine, always_snapshot=always_snapshot, **kw)
         self.plots = LivePlotsPanel(engine, **kw)
         self.config = ConfigPanel(engine, **kw)
-        half = widgets.Layout(width="50%", min_width="360px")
         for p in (self.submit, self.stream, self.kvmap, self.config):
-            p.layout = half
+            p.layout.width, p.layout.min_width = "50%", "360px"
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         row2 = widgets.HBox([self.kvmap, self.config], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
+        self._rows = [row1, row2]
         super().__init__([row1, self.board, self.plots, row2], layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
         if start:
@@ -59,10 +59,15 @@ class Dashboard(widgets.VBox):
         return [self.submit, self.stream, self.board, self.kvmap, self.plots, self.config]
 
     def close(self) -> None:
-        """Stop the poller and close every panel."""
+        """Stop the poller and close every widget of the dashboard (panels, rows, layouts), so that nothing keeps
+        the engine alive."""
         self.poller.stop()
-        for p in self.panels:
-            p.close()
+        for w in [*self.panels, *self._rows, self]:
+            layout = getattr(w, "layout", None)
+            if w is not self:
+                w.close()
+            if layout is not None:
+                layout.close()
         super().close()
 
     def __repr__(self) -> str:

@@ -58,7 +58,9 @@ class HeadlessDashboard:
         self.poller = dashboard.poller
         self.comms = []
         for p in dashboard.panels:
-            c = _SerializingComm(p.comm.comm_id)
+            old = p.comm
+            c = _SerializingComm(old.comm_id)
+            old.close()  # unregisters it (else the comm manager keeps the panel, hence the engine, alive)
             p.comm = c
             self.comms.append(c)
 

@@ -12,6 +12,7 @@ with an IntersectionObserver), or always with ``always_snapshot=True`` (used by 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import traitlets
@@ -69,10 +70,7 @@ class KVPageMapPanel(Panel):
 
     def refresh(self) -> None:
         """Take a snapshot now and update the map (kernel thread; no poller needed)."""
-        snap = self.engine.snapshot()
-        import time
-
-        self._update(Frame(wall=time.time(), snapshot=snap))
+        self._update(Frame(wall=time.time(), snapshot=self.engine.snapshot()))
 
     def details(self, group: int, block: int) -> dict[str, Any]:
         """Hover details of one block from the snapshot on screen (see `state.kv_block_details`).

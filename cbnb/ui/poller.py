@@ -40,7 +40,7 @@ class Frame:
         requests: `engine.requests_snapshot()` (live requests first), or None when no panel asked for it.
         stats: `engine.stats()`, or None when no panel asked for it.
         snapshot: `engine.snapshot()` (KV page map), or None when no page map is visible.
-        max_new_tokens: request id -> max_new_tokens, learnt from `RequestAdded` events.
+        max_new_tokens: request id -> max_new_tokens (from the requests snapshot).
         engine_state: "created", "running", "stopped" or "dead".
     """
 
@@ -91,7 +91,6 @@ class Poller:
         self._unsubscribe = None
         self._cursor = engine.events.cursor if hasattr(engine, "events") else 0
         self._last_full = 0.0
-        self._max_new: dict[str, int | None] = {}
         self._force = True
         self._published: float | None = None
         self.ticks = 0  # frames delivered
@@ -187,19 +186,13 @@ class Poller:
         for p in self.panels:
             needs |= p._needs()
         wall = time.time()
-        frame = Frame(wall=wall, events=events, dropped=dropped, engine_state=getattr(eng, "_state", "running"))
+        frame = Frame(wall=wall, events=events, dropped=dropped, engine_state=getattr(eng, "state", "running"))
         if events:
             # When the oldest unread event was published (the subscriber saw it), else its own timestamp.
             frame.event_wall = published if published is not None else wall - (time.perf_counter() - events[0].t)
-        for e in events:
-            if e.kind == "request_added":
-                self._max_new[e.request_id] = e.max_new_tokens
         if "requests" in needs:
             frame.requests = eng.requests_snapshot()
-            if len(self._max_new) > 4096:  # forget ids that left the engine's recent list
-                keep = {r.request_id for r in frame.requests}
-                self._max_new = {k: v for k, v in self._max_new.items() if k in keep}
-        frame.max_new_tokens = self._max_new
+            frame.max_new_tokens = {r.request_id: r.max_new_tokens for r in frame.requests}
         if "stats" in needs:
             frame.stats = eng.stats()
         if "snapshot" in needs:

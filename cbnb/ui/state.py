@@ -209,11 +209,13 @@ def _num(v: Any) -> float:
 
 class StepSeries(_Ring):
     """Per-step batch composition from `StepPlanned` events: prefill and decode tokens against the token budget,
-    and how many requests were left out for each reason (columns ``skip_<reason>``)."""
+    and how many requests were left out for each reason (columns ``skip_<reason>``). A step number that goes back
+    (the engine was reconfigured, so its steps count from 1 again) starts the series afresh."""
 
     def __init__(self, size: int = 240) -> None:
         super().__init__(("step", "prefill", "decode", "budget", "requests")
                          + tuple(f"skip_{r}" for r in SKIP_REASONS), size)
+        self._last_step = 0
 
     def add_events(self, events: Iterable[Any]) -> int:
         """Append a row per `StepPlanned` event. Returns how many were added."""
@@ -221,6 +223,9 @@ class StepSeries(_Ring):
         for e in events:
             if getattr(e, "kind", "") != "step_planned":
                 continue
+            if self._n and e.step <= self._last_step:
+                self.clear()  # the engine was rebuilt (reconfigure): its step numbers start again
+            self._last_step = e.step
             row: dict[str, float] = {"step": e.step, "prefill": e.prefill_tokens, "decode": e.decode_tokens,
                                      "budget": e.token_budget, "requests": e.requests_used}
             for r in SKIP_REASONS:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +32,7 @@ def _skip_reason() -> str | None:
         import playwright.sync_api  # noqa: F401
     except ImportError:
         return "python playwright not installed"
-    if shutil.which("jupyter", path=str(Path(os.sys.executable).parent)) is None:
+    if shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None:
         return "jupyter not installed in this environment"
     return None
 
@@ -241,8 +241,11 @@ def test_reload_shows_current_plots(session):
     time.sleep(1.5)  # the poller's next ticks
     py_steps = ast.literal_eval(session.py("[float(x) for x in dash.plots.series_arrays()['steps']['step']]"))
     assert py_steps, "no steps recorded in Python"
-    page.keyboard.press("Control+s")
-    time.sleep(1.0)
+    # Save through the command (Ctrl+S is swallowed while a panel control that suppresses shortcuts has focus),
+    # then wait until the document is clean, so the reload finds the widget outputs in the file.
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function("() => { const w = window.jupyterapp.shell.currentWidget;"
+                           " return w && w.context && !w.context.model.dirty; }", timeout=30_000)
     page.reload()
     page.wait_for_selector(".cbnb-plots", timeout=120_000)
     page.locator(".cbnb-plots").scroll_into_view_if_needed()

@@ -1,0 +1,31 @@
+"""Import boundaries: the core is torch-free, and the engine needs neither the UI libraries nor gguf."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", "cbnb.cache.allocators",
+        "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
+        "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads"]
+
+
+def _loaded_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_core_modules_do_not_import_torch():
+    mods = _loaded_after("\n".join(f"import {m}" for m in CORE))
+    assert "torch" not in mods and "transformers" not in mods
+    assert set(CORE) <= mods
+
+
+def test_engine_imports_without_ui_or_gguf():
+    # Make the UI libraries and gguf unimportable, as on the GPU machine.
+    code = ("import sys\nfor m in ('ipywidgets', 'anywidget', 'plotly', 'gguf'): sys.modules[m] = None\n"
+            "import cbnb, cbnb.engine, cbnb.bench, cbnb.runner.model_runner\n"
+            "print(cbnb.Engine.__name__, cbnb.ContinuousBatchingConfig.__name__)")
+    mods = _loaded_after(code)
+    assert "cbnb.engine" in mods and "torch" in mods
