@@ -100,6 +100,12 @@ class Lab:
                 pass
         self.proc = None
         self.log.close()
+        # Keep the server log for a failed run's diagnosis; drop the temp config, data and notebook copies.
+        artifacts = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.tmp / "lab.log", artifacts / "lab.log")
+        if not os.environ.get("CBNB_KEEP_LAB"):
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ kernel side channel
     def kernel_eval(self, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
