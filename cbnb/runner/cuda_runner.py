@@ -543,12 +543,8 @@ class CudaModelRunner(ModelRunner):
         if not self.configured:
             raise RuntimeError("CudaModelRunner.configure(config) must be called before the first step")
         t0 = time.perf_counter()
-        copied = 0
         with maybe_stream(self.compute_stream):
-            for _, so in work.swap_outs:
-                copied += self.store.swap_out(so.pairs)
-            for _, pairs in work.restores:
-                copied += self.store.swap_in(pairs)
+            copied = self.store.run_copies(work)
         t1 = time.perf_counter()
         timings = {"offload_copy": t1 - t0}
         if work.plan.empty:

@@ -12,11 +12,16 @@ zeroed pages, so resident memory grows only as blocks are used.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from ..cache.layout import KVLayout
 from .malloc import tune_malloc
+
+if TYPE_CHECKING:
+    from ..core import StepWork
 
 __all__ = ["KVStore"]
 
@@ -84,6 +89,15 @@ class KVStore:
             for g in layout.groups:
                 self.host_rows.append(self.host.view(-1, layout.bytes_per_block(g.index)))
 
+    def run_copies(self, work: StepWork) -> int:
+        """A step's offload copies, in the order the core planned them: swap-outs, then restores. Returns bytes."""
+        copied = 0
+        for _, so in work.swap_outs:
+            copied += self.swap_out(so.pairs)
+        for _, pairs in work.restores:
+            copied += self.swap_in(pairs)
+        return copied
+
     def swap_out(self, pairs: list[list[tuple[int, int]]]) -> int:
         """Copy device blocks to host blocks: per group, (device block, host block) pairs. Returns bytes copied."""
         copied = 0
@@ -94,7 +108,7 @@ class KVStore:
             host = torch.tensor([p[1] for p in gp], dtype=torch.long)
             rows = self.block_rows[g].index_select(0, dev)
             self.host_rows[g].index_copy_(0, host, rows.to("cpu"))
-            copied += rows.numel()
+            copied += rows.numel() * rows.element_size()
         return copied
 
     def swap_in(self, pairs: list[list[tuple[int, int]]]) -> int:
@@ -109,5 +123,5 @@ class KVStore:
             if self.device.type == "cuda":
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
             self.block_rows[g].index_copy_(0, dev, rows.to(self.device))
-            copied += rows.numel()
+            copied += rows.numel() * rows.element_size()
         return copied

@@ -116,11 +116,7 @@ class ModelRunner:
     def execute(self, work: StepWork) -> StepResult:
         """Run the copies and the forward of one step; return the sampled tokens."""
         t0 = time.perf_counter()
-        copied = 0
-        for _, so in work.swap_outs:
-            copied += self.store.swap_out(so.pairs)
-        for _, pairs in work.restores:
-            copied += self.store.swap_in(pairs)
+        copied = self.store.run_copies(work)
         t1 = time.perf_counter()
         timings = {"offload_copy": t1 - t0}
         if work.plan.empty:

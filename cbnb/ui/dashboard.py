@@ -56,13 +56,17 @@ class Dashboard(widgets.VBox):
 
     @property
     def panels(self) -> list:
-        return [self.submit, self.stream, self.board, self.kvmap, self.plots, self.config]
+        # getattr: close() also runs from ipywidgets' __del__ on a Dashboard whose __init__ raised half way.
+        names = ("submit", "stream", "board", "kvmap", "plots", "config")
+        return [p for p in (getattr(self, n, None) for n in names) if p is not None]
 
     def close(self) -> None:
         """Stop the poller and close every widget of the dashboard (panels, rows, layouts), so that nothing keeps
         the engine alive."""
-        self.poller.stop()
-        for w in [*self.panels, *self._rows, self]:
+        poller = getattr(self, "poller", None)
+        if poller is not None:
+            poller.stop()
+        for w in [*self.panels, *getattr(self, "_rows", []), self]:
             layout = getattr(w, "layout", None)
             if w is not self:
                 w.close()
