@@ -348,8 +348,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+PEERS = ("cbnb", "hf-cb", "hf-static")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the arguments before any model is loaded (errors exit with argparse's usage message)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not 0 < args.scale <= 1:
+        ap.error(f"--scale must be in (0, 1]; got {args.scale}")
+    bad = [p for p in (x.strip() for x in args.peers.split(",")) if p and p not in PEERS]
+    if bad:
+        ap.error(f"--peers: unknown {', '.join(map(repr, bad))}; choose from {', '.join(PEERS)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     report = run_bench(args)
     _print(report)

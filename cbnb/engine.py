@@ -87,7 +87,8 @@ class _Detok:
 class RequestHandle:
     """A submitted request: iterate it for `TokenDelta`s, or wait for its `RequestOutput`.
 
-    Iteration (sync or async) consumes the stream once. `result()` can be called any number of times.
+    Iteration (sync or async) consumes the stream once: once the final delta has been yielded, iterating again
+    yields nothing. `result()` can be called any number of times.
     """
 
     def __init__(self, engine: "Engine", request: Request) -> None:
@@ -98,6 +99,7 @@ class RequestHandle:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._final: RequestOutput | None = None
+        self._consumed = False  # the final delta was yielded: a later iteration must not wait for more
         self._notify: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._nlock = threading.Lock()
         self._stream = _Detok(self._tokenizer)
@@ -152,12 +154,13 @@ class RequestHandle:
             assert out is not None
             rest = out.token_ids[len(self._stream.ids):]
             text = self._stream.push(rest, final=True)
+            self._consumed = True
             return TokenDelta(self.request_id, rest, text, out.state, True, out.error)
         ids, state = item
         return TokenDelta(self.request_id, ids, self._stream.push(ids), state, False, None)
 
     def __iter__(self) -> Iterator[TokenDelta]:
-        while True:
+        while not self._consumed:
             item = self._q.get()
             d = self._delta(item)
             yield d
@@ -170,7 +173,7 @@ class RequestHandle:
         with self._nlock:
             self._notify.append((loop, ev))
         try:
-            while True:
+            while not self._consumed:
                 while True:
                     try:
                         item = self._q.get_nowait()
@@ -202,6 +205,12 @@ class Engine:
         telemetry: record typed events in `engine.events` (an `EventLog`) and KV usage samples; off, only the
             counters and latencies of `engine.stats()` are kept.
         event_log_size: events retained by `engine.events` (oldest dropped first).
+
+    Attributes:
+        config: the resolved config in use (every None filled in for this device: num_blocks, max_batch_tokens,
+            CUDA-graph and async flags...).
+        user_config: the config as given (or as last passed to `reconfigure`), Nones kept; its `to_code()` is what
+            to paste into transformers on another machine, where the Nones resolve for that device.
 
     Raises:
         ValueError: for an unsupported model (attention types other than full/sliding).
@@ -463,10 +472,25 @@ class Engine:
                  **sampling: Any) -> list[RequestOutput]:
         """Submit every prompt and wait: one `RequestOutput` per prompt, in input order.
 
+        Args:
+            prompts: a list of prompts, each what `submit` takes (text, token ids, chat messages).
+
         Raises:
+            TypeError: `prompts` is a single string (wrap it in a list, or use `submit`).
+            ValueError: a bad prompt or sampling value (as `submit`); the prompts submitted before it are cancelled.
             TimeoutError: when `timeout` seconds pass before all are done.
         """
-        handles = [self.submit(p, max_new_tokens=max_new_tokens, **sampling) for p in prompts]
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("generate() takes a list of prompts, not one string: use generate([prompt]) or "
+                            "submit(prompt)")
+        handles = []
+        try:
+            for p in prompts:
+                handles.append(self.submit(p, max_new_tokens=max_new_tokens, **sampling))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
         deadline = None if timeout is None else time.monotonic() + timeout
         outs = []
         for h in handles:

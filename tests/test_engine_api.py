@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -118,6 +119,43 @@ def test_streaming_text_matches_final_text(llama, smollm2_tokenizer):
         assert "".join(d.text for d in deltas) == out.text
         assert [t for d in deltas for t in d.token_ids] == out.token_ids
         assert deltas[-1].finished
+
+
+def test_second_iteration_yields_nothing_instead_of_waiting(llama):
+    model, oracle = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+
+    async def consume(h):
+        return [d async for d in h]
+
+    with engine:
+        h = engine.submit(STD_PROMPTS[0], max_new_tokens=5, eos_token_id=-1)
+        first = list(h)
+        box = {}
+        t = threading.Thread(target=lambda: box.update(again=list(h), again_async=asyncio.run(consume(h))))
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "iterating a consumed handle blocked"
+    assert [tk for d in first for tk in d.token_ids] == oracle(STD_PROMPTS[0], 5)
+    assert box == {"again": [], "again_async": []}
+    assert h.result(timeout=0).token_ids == oracle(STD_PROMPTS[0], 5)
+
+
+def test_generate_refuses_a_bare_string_and_cancels_on_a_bad_prompt(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    with engine:
+        with pytest.raises(TypeError, match="list of prompts"):
+            engine.generate("Hello", max_new_tokens=2)
+        with pytest.raises(ValueError):
+            engine.generate([STD_PROMPTS[0], STD_PROMPTS[1], []], max_new_tokens=50, eos_token_id=-1)
+        snap = engine.requests_snapshot()
+        deadline = time.monotonic() + TIMEOUT
+        while not (len(snap) == 2 and all(r.state.is_terminal for r in snap)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            snap = engine.requests_snapshot()
+        # The two prompts submitted before the bad one were cancelled, not left running unseen.
+        assert [r.state for r in snap] == [RequestState.CANCELLED] * 2
 
 
 def test_async_iteration(llama):
