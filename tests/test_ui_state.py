@@ -67,12 +67,12 @@ def test_text_tracker_without_tokenizer_shows_ids():
 
 # ---------------------------------------------------------------------------------------------- rows
 def test_request_rows_order_counts_progress_and_units():
-    reqs = [out("r0", RequestState.DECODING, 3, ttft=0.25, prefix_cached_tokens=16, num_offloads=1),
+    reqs = [out("r0", RequestState.DECODING, 3, ttft=0.25, prefix_cached_tokens=16, num_offloads=1, max_new_tokens=10),
             out("r1", RequestState.PENDING),
-            out("r2", RequestState.FINISHED, 8, ttft=0.5, text="done"),
+            out("r2", RequestState.FINISHED, 8, ttft=0.5, text="done", max_new_tokens=8),
             out("r3", RequestState.CANCELLED, 1, error="cancelled by user"),
             out("r4", RequestState.FAILED, 0, error="too long", num_soft_resets=2)]
-    rows, counts, hidden = request_rows(reqs, {"r0": 10, "r2": 8}, max_finished=2)
+    rows, counts, hidden = request_rows(reqs, max_finished=2)
     ix = {c: i for i, c in enumerate(BOARD_COLUMNS)}
     # live first (arrival order), then ended newest first, capped
     assert [r[ix["id"]] for r in rows] == ["r0", "r1", "r4", "r3"]
@@ -87,9 +87,9 @@ def test_request_rows_order_counts_progress_and_units():
 
 def test_stream_items_mark_terminal_states_and_use_final_text():
     tt = TextTracker(CharTokenizer())
-    reqs = [out("r0", RequestState.DECODING, 2), out("r1", RequestState.FINISHED, 3, text="final text"),
+    reqs = [out("r0", RequestState.DECODING, 2, max_new_tokens=4), out("r1", RequestState.FINISHED, 3, text="final text"),
             out("r2", RequestState.CANCELLED, 1, error="cancelled")]
-    items = stream_items(reqs, tt, {"r0": 4})
+    items = stream_items(reqs, tt)
     assert [i["id"] for i in items] == ["r0", "r2", "r1"]
     assert items[0] == {"id": "r0", "state": "DECODING", "text": "AB", "n": 2, "max": 4, "error": "", "reason": ""}
     assert items[2]["text"] == "final text" and items[1]["error"] == "cancelled"

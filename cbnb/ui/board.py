@@ -47,5 +47,5 @@ class RequestBoardPanel(Panel):
     def _values(self, frame: Frame) -> dict[str, Any]:
         if frame.requests is None:
             return {}
-        rows, counts, hidden = request_rows(frame.requests, frame.max_new_tokens, self._max_finished)
+        rows, counts, hidden = request_rows(frame.requests, self._max_finished)
         return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": frame.engine_state}

@@ -40,7 +40,6 @@ class Frame:
         requests: `engine.requests_snapshot()` (live requests first), or None when no panel asked for it.
         stats: `engine.stats()`, or None when no panel asked for it.
         snapshot: `engine.snapshot()` (KV page map), or None when no page map is visible.
-        max_new_tokens: request id -> max_new_tokens (from the requests snapshot).
         engine_state: "created", "running", "stopped" or "dead".
     """
 
@@ -51,7 +50,6 @@ class Frame:
     requests: list | None = None
     stats: dict | None = None
     snapshot: Any = None
-    max_new_tokens: dict = field(default_factory=dict)
     engine_state: str = "created"
 
 
@@ -192,7 +190,6 @@ class Poller:
             frame.event_wall = published if published is not None else wall - (time.perf_counter() - events[0].t)
         if "requests" in needs:
             frame.requests = eng.requests_snapshot()
-            frame.max_new_tokens = {r.request_id: r.max_new_tokens for r in frame.requests}
         if "stats" in needs:
             frame.stats = eng.stats()
         if "snapshot" in needs:

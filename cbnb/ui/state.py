@@ -109,19 +109,16 @@ BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_token
                  "prefix_cached_tokens", "offloads", "soft_resets", "error")
 
 
-def request_rows(requests: Sequence[Any], max_new_tokens: Mapping[str, int | None] | None = None,
-                 max_finished: int = 64) -> tuple[list[list[Any]], dict[str, int], int]:
+def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[list[Any]], dict[str, int], int]:
     """Rows for the request board.
 
     Args:
-        requests: `engine.requests_snapshot()` (`RequestOutput`s, live first).
-        max_new_tokens: request id -> its max_new_tokens (for progress), when known.
+        requests: `engine.requests_snapshot()` (`RequestOutput`s, live first; their `max_new_tokens` gives progress).
         max_finished: ended requests shown at most (newest first).
 
     Returns:
         (rows in `BOARD_COLUMNS` order, count per state over all `requests`, ended requests not shown).
     """
-    mnt = max_new_tokens or {}
     counts = {s: 0 for s in STATE_NAMES}
     for r in requests:
         counts[_state_name(r.state)] = counts.get(_state_name(r.state), 0) + 1
@@ -132,7 +129,7 @@ def request_rows(requests: Sequence[Any], max_new_tokens: Mapping[str, int | Non
         ttft = tm.ttft_s
         q = tm.queue_s
         rows.append([
-            r.request_id, _state_name(r.state), len(r.token_ids), mnt.get(r.request_id),
+            r.request_id, _state_name(r.state), len(r.token_ids), r.max_new_tokens,
             len(r.prompt_token_ids), None if ttft is None else round(ttft * 1000, 1),
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
             int(r.num_soft_resets), r.error or "",
@@ -140,21 +137,19 @@ def request_rows(requests: Sequence[Any], max_new_tokens: Mapping[str, int | Non
     return rows, counts, hidden
 
 
-def stream_items(requests: Sequence[Any], texts: TextTracker, max_new_tokens: Mapping[str, int | None] | None = None,
-                 max_finished: int = 12) -> list[dict[str, Any]]:
+def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int = 12) -> list[dict[str, Any]]:
     """Items of the token stream: live requests then the newest ended ones, each with its text so far.
 
     Returns:
         dicts with id, state, text, n (tokens out), max (max_new_tokens or None), error, reason (finish reason).
     """
-    mnt = max_new_tokens or {}
     shown, _ = _ordered(requests, max_finished)
     items = []
     for r in shown:
         state = _state_name(r.state)
         final = r.text if state in TERMINAL_STATES and r.text else None
         items.append({"id": r.request_id, "state": state, "text": texts.text(r.request_id, r.token_ids, final),
-                      "n": len(r.token_ids), "max": mnt.get(r.request_id), "error": r.error or "",
+                      "n": len(r.token_ids), "max": r.max_new_tokens, "error": r.error or "",
                       "reason": r.finish_reason or ""})
     texts.prune(r.request_id for r in requests)
     return items

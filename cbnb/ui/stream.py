@@ -41,7 +41,7 @@ class TokenStreamPanel(Panel):
     def _values(self, frame: Frame) -> dict[str, Any]:
         if frame.requests is None:
             return {}
-        return {"items": stream_items(frame.requests, self._texts, frame.max_new_tokens, self._max_finished)}
+        return {"items": stream_items(frame.requests, self._texts, self._max_finished)}
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request (a CANCELLED output follows). Returns False when it is unknown or already ended."""

@@ -197,6 +197,6 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     assert names == ["token budget"]  # only reasons that occurred
     text = page.locator(".cbnb-plots").text_content()
     assert "CUDA graphs: 0 captures, 0 replays (cpu: graphs off)" in text
-    cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawMs")
+    cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawAt.map(d => d[1])")
     (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)

@@ -178,8 +178,9 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def _latency_window(session, t0: float, t1: float) -> dict:
-    """p50/p95 of the update latency (Python read -> browser model) for the updates that arrived in [t0, t1]."""
+def _latency_window(session, t0: float, t1: float) -> tuple[dict, list[dict]]:
+    """p50/p95 of the update latency (Python read -> browser model) for the updates that arrived in [t0, t1], and
+    those updates' raw records."""
     page = session.page
     recent = [x for x in page.evaluate("() => globalThis.__cbnbLatency || []") if t0 <= x["at"] <= t1]
     upd = sorted(x["update"] for x in recent)
