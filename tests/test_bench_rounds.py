@@ -223,7 +223,7 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
         ratios = [r["results"]["cbnb"]["output_tok_per_s"] / r["results"][name]["output_tok_per_s"]
                   for r in rep["rounds"]]
         assert s["first_over_this"]["median"] == pytest.approx(statistics.median(ratios))
-        shares = [r["floor_s"] / r["results"][name]["seconds"] for r in rep["rounds"]]
+        shares = [rep["roofline"]["floor_s"] / r["results"][name]["seconds"] for r in rep["rounds"]]
         assert s["roofline_share"]["median"] == pytest.approx(statistics.median(shares))
         assert s["greedy_agreement_min"] == 1.0 and not s["errors"]
         assert name in out
@@ -231,6 +231,11 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
         m = r["machine"]
         assert m["copy_bytes_per_s"] == 1e10 and m["prefill_flops_per_s"] > 0
         assert r["floor_s"] == pytest.approx(max(m["compute_s"], m["bytes_s"]))
+    # The shares use the floor at the best rates seen in the run: the lowest per-round floor.
+    rf = rep["roofline"]
+    assert rf["best_rates"]["prefill_flops_per_s"] == max(r["machine"]["prefill_flops_per_s"] for r in rep["rounds"])
+    assert rf["floor_s"] == pytest.approx(max(rf["compute_s"], rf["bytes_s"]))
+    assert rf["floor_s"] <= min(r["floor_s"] for r in rep["rounds"]) * (1 + 1e-9)
     assert rep["summary"]["cbnb"]["lone_ttft_s"]["n"] == 2
     assert rep["roofline"]["work"]["output_tokens"] == rep["output_tokens"]
     assert "roofline floor" in out and "flops_prefill = " in out

@@ -13,6 +13,7 @@ here, never from a timed test. Examples::
 
     python -m cbnb.bench --workload cpu-32 --repeat 5 --json cpu32.json
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants telemetry=off,telemetry=on --repeat 3
+    python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_kernels=off,cpu_kernels=on --repeat 5
     python -m cbnb.bench --workload nanovllm-256 --model shape:qwen3-0.6b --peers cbnb,hf-cb
 """
 
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--safety-margin", dest="safety_margin", type=float)
     ap.add_argument("--cpu-offload-space", dest="cpu_offload_space", type=float)
     ap.add_argument("--no-sharing", action="store_true", help="allow_block_sharing=False")
+    ap.add_argument("--default-compile-level", dest="default_compile_level", type=int, choices=range(4),
+                    help="transformers' compile level for cbnb and hf-cb (0: eager)")
     ap.add_argument("--json", default=None, help="also write the full report (every round) to this file")
     return ap
 

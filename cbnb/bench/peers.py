@@ -12,6 +12,7 @@ bytes on CUDA), the greedy tokens per request and extra figures. A failing peer 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -107,6 +108,8 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
         extra: dict[str, Any] = {"config": eng.config.to_dict()}
+        if hasattr(eng.runner, "compile_stats"):
+            extra["compile"] = eng.runner.compile_stats()
         if hasattr(eng, "stats"):
             with contextlib.suppress(Exception):
                 extra["stats"] = eng.stats()
@@ -244,8 +247,21 @@ def guard(name: str, fn: Callable[[], PeerResult]) -> PeerResult:
         return PeerResult(name, 0.0, 0, 0, [], {}, f"{type(e).__name__}: {e}")
 
 
+def _with_env(name: str, value: str, fn: Callable[[], PeerResult]) -> PeerResult:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
-    """A cbnb run with one named option, e.g. "telemetry=off" or "dashboard=on"."""
+    """A cbnb run with one named option: "telemetry=off|on", "dashboard=off|on", "use_cuda_graph=...",
+    "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on"."""
     key, _, val = variant.partition("=")
     on = val.lower() in ("1", "on", "true", "yes")
     kwargs: dict[str, Any] = {}
@@ -260,6 +276,13 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
                 return attach_headless_dashboard(eng)
     elif key in ("use_cuda_graph", "use_async_batching"):
         config = config.copy(**{key: on})
+    elif key == "default_compile_level":
+        config = config.copy(default_compile_level=int(val))
+    elif key == "cpu_kernels":  # the compiled CPU decode-attention kernel (cbnb.runner.cpu_kernels)
+        r = _with_env("CBNB_CPU_KERNELS", "1" if on else "0",
+                      lambda: run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]"))
+        r.extra["variant"] = variant
+        return r
     else:
         raise SystemExit(f"unknown variant {variant!r}")
     r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook)

@@ -49,12 +49,12 @@ def format_report(report: dict[str, Any]) -> str:
                  f"({w['min_forwards']} forwards x {_si(rf['model']['weight_bytes'], 'B')} of weights + KV)")
     for k in ("flops_prefill", "flops_decode", "bytes", "compute_s", "bytes_s", "floor_s"):
         lines.append(f"  {k} = {rf['formulas'][k]}")
-    if ms:
-        s = lambda x: f"{x:.3g}"  # noqa: E731
-        lines.append(f"roofline floor (per round, from that round's probe): compute {_rng(ms['compute_s'], s)} s, bytes "
-                     f"{_rng(ms['bytes_s'], s)} s -> "
-                     f"floor {_rng(ms['floor_s'], s)} s = {_rng(ms['floor_tok_per_s'], lambda x: f'{x:.0f}')} "
-                     f"output tok/s")
+    if "floor_s" in rf:
+        b = rf["best_rates"]
+        lines.append(f"roofline floor at the run's best probe rates ({b['prefill_flops_per_s'] / 1e9:.0f} and "
+                     f"{b['decode_flops_per_s'] / 1e9:.0f} GFLOP/s, {b['copy_bytes_per_s'] / 1e9:.1f} GB/s): compute "
+                     f"{rf['compute_s']:.3g} s, bytes {rf['bytes_s']:.3g} s -> floor {rf['floor_s']:.3g} s = "
+                     f"{rf['floor_tok_per_s']:.0f} output tok/s")
     first = report["peers"][0]
     head = (f"{'peer':<22}{'out tok/s':>24}{first + ' / peer':>24}{'roofline share':>22}{'peak MiB':>10}"
             f"{'same tokens':>13}{'lone TTFT s':>20}  errors")
@@ -68,6 +68,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_rng(s['first_over_this'], lambda x: f'{x:.2f}x'):>24}{share:>22}"
             f"{s['peak_bytes_max'] / 2**20:>10.0f}{'-' if agree is None else f'{100 * agree:.0f}%':>13}"
             f"{_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>20}  {'; '.join(sorted(set(s['errors'])))}")
+    for name in report["peers"]:
+        comp = report["summary"][name].get("compile") or {}
+        for path, st in comp.items():
+            if st:
+                lines.append(f"{name} compiled {path} forward: {st['compiles']} compile(s), {st['compile_s']:.1f} s "
+                             f"(once per process, in the warm-up){'; FAILED: ' + st['failed'] if st['failed'] else ''}")
     lines.append("per round (out tok/s, in run order):")
     for rnd in report["rounds"]:
         res = rnd["results"]

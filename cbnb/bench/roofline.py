@@ -23,12 +23,13 @@ larger than the last-level cache, counted as bytes read + bytes written.
 
 Floor (`floor`): ``compute_s = prefill FLOPs / prefill rate + decode FLOPs / decode rate``,
 ``bytes_s = bytes / bandwidth``, ``floor_s = max(compute_s, bytes_s)``. A peer's share of the roofline is
-``floor_s / its seconds`` (1.0 = at the floor).
+``floor_s / its seconds`` (1.0 = at the floor). Each rate is the fastest of a few passes, and the bench computes the
+floor from the best rates of the whole run (what this machine showed it can do): on a shared machine a probe that
+lands in a busy moment would otherwise lower the floor and inflate every share.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -45,7 +46,7 @@ FORMULAS = {
     "bytes": "max_r G_r * weight_bytes + 2 * kv_bytes_per_token * (distinct prompt tokens + sum_r (G_r - 1))",
     "compute_s": "flops_prefill / gemm_rate(prefill rows) + flops_decode / gemm_rate(decode rows)",
     "bytes_s": "bytes / copy bandwidth",
-    "floor_s": "max(compute_s, bytes_s); share of a peer = floor_s / peer seconds",
+    "floor_s": "max(compute_s, bytes_s) at the run's best probe rates; share of a peer = floor_s / peer seconds",
 }
 
 
@@ -190,7 +191,8 @@ def _sync(device: Any) -> None:
 
 
 def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3) -> dict[str, float]:
-    """FLOP/s of the model's own linear layers applied to ``rows`` random tokens (median of `reps` passes).
+    """FLOP/s of the model's own linear layers applied to ``rows`` random tokens (the fastest of `reps` passes:
+    what the machine can do; contention only ever slows a pass down).
 
     One pass applies every `nn.Linear` (the LM head only with `include_head`) once, in module order, each to an
     activation ``[rows, in_features]`` in the weight's dtype and device.
@@ -213,12 +215,12 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3) -> dict[
             _sync(w0.device)
             if r:
                 times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
+    t = min(times)
     return {"rows": rows, "flops": flops, "seconds": t, "flops_per_s": flops / t}
 
 
 def square_gemm_rate(n: int = 1024, reps: int = 3, device: Any = "cpu", dtype: Any = None) -> float:
-    """FLOP/s of an ``n x n`` by ``n x n`` matmul (the reference figure older notes quote)."""
+    """FLOP/s of an ``n x n`` by ``n x n`` matmul, fastest of `reps` (the reference figure older notes quote)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -232,11 +234,12 @@ def square_gemm_rate(n: int = 1024, reps: int = 3, device: Any = "cpu", dtype: A
         _sync(a.device)
         if r:
             times.append(time.perf_counter() - t0)
-    return 2.0 * n ** 3 / statistics.median(times)
+    return 2.0 * n ** 3 / min(times)
 
 
 def bandwidth(num_bytes: int = 1 << 29, reps: int = 3, device: Any = "cpu") -> float:
-    """Copy bandwidth in bytes/s (read + write) of a `num_bytes` buffer (default 512 MiB, past the 480 MiB L3)."""
+    """Copy bandwidth in bytes/s (read + write) of a `num_bytes` buffer (default 512 MiB, past the 480 MiB L3 of the
+    development machine), fastest of `reps` copies."""
     import torch
 
     n = num_bytes // 4
@@ -251,14 +254,14 @@ def bandwidth(num_bytes: int = 1 << 29, reps: int = 3, device: Any = "cpu") -> f
         if r:
             times.append(time.perf_counter() - t0)
     del src, dst
-    return 2.0 * n * 4 / statistics.median(times)
+    return 2.0 * n * 4 / min(times)
 
 
 def probe(model: Any, prefill_rows: int, decode_rows: int) -> dict[str, Any]:
     """The machine's state now: GEMM rates at the workload's shapes, a 1024^2 GEMM and the copy bandwidth."""
     device = next(model.parameters()).device
-    pre = gemm_rate(model, prefill_rows, include_head=False)
-    dec = gemm_rate(model, decode_rows, include_head=True)
+    pre = gemm_rate(model, prefill_rows, include_head=False, reps=3)
+    dec = gemm_rate(model, decode_rows, include_head=True, reps=5)
     return {
         "prefill_rows": prefill_rows, "prefill_flops_per_s": pre["flops_per_s"],
         "decode_rows": decode_rows, "decode_flops_per_s": dec["flops_per_s"],

@@ -90,7 +90,7 @@ def _result_dict(r: PeerResult, base: PeerResult | None) -> dict[str, Any]:
         "greedy_agreement_vs_first": agreement(base, r) if base is not None else None,
         "tokens": r.tokens,
     }
-    d.update({k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant", "lone_ttft_s")})
+    d.update({k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant", "lone_ttft_s", "compile")})
     return d
 
 
@@ -150,16 +150,13 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
         },
         "rounds": [],
     }
-    floors: list[float | None] = []
-
     def on_round(rnd: Round) -> None:
         m = rnd.machine
         f = None
-        if m:
+        if m:  # this round's own floor: informative (machine state); the shares use the run's best rates
             fl = roofline.floor(work, m["prefill_flops_per_s"], m["decode_flops_per_s"], m["copy_bytes_per_s"])
             m.update(fl)
             f = fl["floor_s"]
-        floors.append(f)
         report["rounds"].append(_round_dict(rnd, names, f))
         parts = [f"{n} {rnd.results[n].tok_per_s:.1f}" for n in rnd.order]
         gemm = f"; GEMM prefill {m['prefill_flops_per_s'] / 1e9:.0f} GFLOP/s" if m else ""
@@ -168,14 +165,25 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
             _write(args.json, report)
 
     rounds = run_rounds(entries, args.repeat, probe=probe, between=release_memory, on_round=on_round)
+    machines = [r.machine for r in rounds if r.machine]
+    floors: list[float | None] = [None] * len(rounds)
+    if machines:
+        best = {k: max(m[k] for m in machines) for k in ("prefill_flops_per_s", "decode_flops_per_s",
+                                                         "copy_bytes_per_s")}
+        fl = roofline.floor(work, best["prefill_flops_per_s"], best["decode_flops_per_s"], best["copy_bytes_per_s"])
+        report["roofline"]["best_rates"] = best
+        report["roofline"].update(fl)
+        floors = [fl["floor_s"]] * len(rounds)
     summary = summarize(rounds, names, floors)
     for n in names:
         ttfts = [x for rnd in rounds for x in rnd.results[n].extra.get("lone_ttft_s", [])]
         summary[n]["lone_ttft_s"] = spread(ttfts)
         summary[n]["peak_bytes_max"] = max(rnd.results[n].peak_bytes for rnd in rounds)
+        comp = [rnd.results[n].extra.get("compile") for rnd in rounds if rnd.results[n].extra.get("compile")]
+        if comp:
+            summary[n]["compile"] = comp[-1]  # one compiled forward per process: the last round has the totals
     report["summary"] = summary
     report["peers"] = names
-    machines = [r.machine for r in rounds if r.machine]
     if machines:
         report["machine_state"] = {k: spread([m[k] for m in machines]) for k in machines[0]
                                    if isinstance(machines[0][k], (int, float))}

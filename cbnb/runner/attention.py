@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .compiled import paged_attention_op
 
 __all__ = ["ATTN_NAME", "register", "paged_attention_forward"]
 
@@ -56,6 +57,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Raises:
         NotImplementedError: for attention-logit soft-capping (no supported model uses it).
     """
+    if kwargs.get("cbnb_compiled"):  # inside cbnb's compiled forward: the opaque op (cbnb.runner.compiled)
+        if kwargs.get("softcap") is not None:
+            raise NotImplementedError("cbnb_paged attention does not support attention-logit soft-capping")
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        return paged_attention_op(query, key, value, module.layer_idx, scale), None
     batch = kwargs.get("cbnb_batch")
     if batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
