@@ -190,9 +190,9 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3) -> dict[str, float]:
-    """FLOP/s of the model's own linear layers applied to ``rows`` random tokens (the fastest of `reps` passes:
-    what the machine can do; contention only ever slows a pass down).
+def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: float = 0.0) -> dict[str, float]:
+    """FLOP/s of the model's own linear layers applied to ``rows`` random tokens: the fastest of at least `reps`
+    passes, repeated until `min_s` seconds have passed (what the machine can do; contention only slows a pass).
 
     One pass applies every `nn.Linear` (the LM head only with `include_head`) once, in module order, each to an
     activation ``[rows, in_features]`` in the weight's dtype and device.
@@ -206,8 +206,10 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3) -> dict[
     xs = {i: torch.randn(rows, i, generator=gen).to(w0.device, w0.dtype) for i in {m.in_features for m in linears}}
     flops = 2.0 * rows * sum(m.in_features * m.out_features for m in linears)
     times = []
+    start = time.perf_counter()
     with torch.inference_mode():
-        for r in range(reps + 1):  # the first pass warms up (allocator, weight pages)
+        r = 0
+        while r <= reps or time.perf_counter() - start < min_s:  # pass 0 warms up (allocator, weight pages)
             _sync(w0.device)
             t0 = time.perf_counter()
             for m in linears:
@@ -215,6 +217,7 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3) -> dict[
             _sync(w0.device)
             if r:
                 times.append(time.perf_counter() - t0)
+            r += 1
     t = min(times)
     return {"rows": rows, "flops": flops, "seconds": t, "flops_per_s": flops / t}
 
@@ -260,8 +263,8 @@ def bandwidth(num_bytes: int = 1 << 29, reps: int = 3, device: Any = "cpu") -> f
 def probe(model: Any, prefill_rows: int, decode_rows: int) -> dict[str, Any]:
     """The machine's state now: GEMM rates at the workload's shapes, a 1024^2 GEMM and the copy bandwidth."""
     device = next(model.parameters()).device
-    pre = gemm_rate(model, prefill_rows, include_head=False, reps=3)
-    dec = gemm_rate(model, decode_rows, include_head=True, reps=5)
+    pre = gemm_rate(model, prefill_rows, include_head=False, reps=3, min_s=1.0)
+    dec = gemm_rate(model, decode_rows, include_head=True, reps=5, min_s=1.0)
     return {
         "prefill_rows": prefill_rows, "prefill_flops_per_s": pre["flops_per_s"],
         "decode_rows": decode_rows, "decode_flops_per_s": dec["flops_per_s"],
