@@ -239,3 +239,16 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert rep["summary"]["cbnb"]["lone_ttft_s"]["n"] == 2
     assert rep["roofline"]["work"]["output_tokens"] == rep["output_tokens"]
     assert "roofline floor" in out and "flops_prefill = " in out
+
+
+def test_profile_categories_and_a_tiny_run(capsys):
+    from cbnb.bench import profile
+
+    assert profile.category("aten::mm") == "gemm"
+    assert profile.category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (sdpa)"
+    assert profile.category("aten::index_copy_") == "kv write/gather"
+    assert profile.category("aten::silu") == "elementwise"
+    assert profile.category("aten::argmax") == "other ops"
+    assert profile.main(["--model", "tiny:llama", "--scale", "0.1", "--threads", "1", "--rows", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill step:" in out and "decode step:" in out and "gemm" in out and "aten::mm" in out
