@@ -51,10 +51,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {k} = {rf['formulas'][k]}")
     if "floor_s" in rf:
         b = rf["best_rates"]
-        lines.append(f"roofline floor at the run's best probe rates ({b['prefill_flops_per_s'] / 1e9:.0f} and "
+        lines.append(f"roofline floor at the best of {rf['probes']} probes' rates ({b['prefill_flops_per_s'] / 1e9:.0f} and "
                      f"{b['decode_flops_per_s'] / 1e9:.0f} GFLOP/s, {b['copy_bytes_per_s'] / 1e9:.1f} GB/s): compute "
                      f"{rf['compute_s']:.3g} s, bytes {rf['bytes_s']:.3g} s -> floor {rf['floor_s']:.3g} s = "
                      f"{rf['floor_tok_per_s']:.0f} output tok/s")
+        if any((report["summary"][n]["roofline_share"].get("max") or 0) > 1 for n in report["peers"]):
+            lines.append("WARNING: a peer ran faster than the floor: every probe of this run was slowed down "
+                         "(contention), so the floor and the shares are not meaningful; the ratios still are")
     first = report["peers"][0]
     head = (f"{'peer':<22}{'out tok/s':>24}{first + ' / peer':>24}{'roofline share':>22}{'peak MiB':>10}"
             f"{'same tokens':>13}{'lone TTFT s':>20}  errors")

@@ -103,6 +103,8 @@ def _round_dict(rnd: Round, names: list[str], floor_s: float | None) -> dict[str
 def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the peers named in `args.peers` (plus cbnb variants) for `args.repeat` rounds; return a JSON-able report.
 
+    The machine is probed at the start of each round and before every peer's run; the floor uses the best rates.
+
     The report holds the run's metadata (date, machine, threads, config), the roofline (formulas, work, per-round
     machine probes and floors), every round's results (order, seconds, tokens, agreement) and the summary per peer
     (see `cbnb.bench.rounds.summarize`). With `args.json` set, the report is also rewritten after every round.
@@ -164,12 +166,20 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
         if args.json:
             _write(args.json, report)
 
-    rounds = run_rounds(entries, args.repeat, probe=probe, between=release_memory, on_round=on_round)
+    extra_probes: list[dict[str, Any]] = []
+
+    def between() -> None:
+        release_memory()
+        if probe is not None:  # more probes, more chances to catch the machine quiet (the best rates set the floor)
+            extra_probes.append(probe())
+
+    rounds = run_rounds(entries, args.repeat, probe=probe, between=between, on_round=on_round)
     machines = [r.machine for r in rounds if r.machine]
+    report["roofline"]["probes"] = len(machines) + len(extra_probes)
     floors: list[float | None] = [None] * len(rounds)
     if machines:
-        best = {k: max(m[k] for m in machines) for k in ("prefill_flops_per_s", "decode_flops_per_s",
-                                                         "copy_bytes_per_s")}
+        best = {k: max(m[k] for m in machines + extra_probes) for k in ("prefill_flops_per_s", "decode_flops_per_s",
+                                                                        "copy_bytes_per_s")}
         fl = roofline.floor(work, best["prefill_flops_per_s"], best["decode_flops_per_s"], best["copy_bytes_per_s"])
         report["roofline"]["best_rates"] = best
         report["roofline"].update(fl)
