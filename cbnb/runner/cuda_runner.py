@@ -41,7 +41,6 @@ import torch
 
 from ..cache.manager import CacheManager
 from ..core import StepWork
-from ..requests import SamplingParams
 from .attention import paged_attention_forward, register as register_cpu_attention
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
@@ -141,23 +140,6 @@ class _Launched:
     events: tuple | None = None
     kv_bytes: int = 0
     t_launch: float = 0.0
-
-
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One sampled id (a 1-element device tensor) with `Sampler.process` semantics, without host synchronisation."""
-    x = logits.float()
-    if params.temperature != 1.0:
-        x = x / params.temperature
-    if params.top_k is not None and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=False)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = cum <= (1 - params.top_p)
-        drop[-1] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return torch.multinomial(x.softmax(-1), 1, generator=generator)
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -580,14 +562,8 @@ class CudaModelRunner(ModelRunner):
                     captured = key
             else:
                 logits = self._forward(pair, shape, lay)
-            for row, s in enumerate(samplers):
-                p = s.request.sampling
-                left = s.request.tokens_left
-                # A sample past max_new_tokens (async: the step in flight already produced the last token) is never
-                # applied: no draw, so the engine-wide generator advances exactly as in synchronous batching.
-                if p.do_sample and (left is None or left >= 0):
-                    g = self.sampler._gen(s.request_id, p)
-                    pair.out_dev[row:row + 1].copy_(_sample_row(logits[row], p, g))
+            # Greedy ids are in `out_dev` already (the captured argmax); sampling rows are drawn in one batched pass.
+            self.sampler.sample(logits, samplers, out=pair.out_dev[:len(samplers)])
             if cuda:
                 if events is not None:
                     events[1].record(self.compute_stream)
