@@ -646,6 +646,8 @@ class Engine:
                 if self.telemetry:
                     for key in getattr(result, "graph_captured", ()) or ():
                         self._ev.append(CudaGraph(work.step_id, t2, "capture", tuple(key)))
+                    for key, err in getattr(result, "graph_failed", ()) or ():
+                        self._ev.append(CudaGraph(work.step_id, t2, "capture_failed", tuple(key), err))
                 last_end = t2
 
         def finish_inflight() -> bool:

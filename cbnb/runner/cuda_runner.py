@@ -118,12 +118,13 @@ def register_cuda_attention() -> None:
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
 class CudaStepResult(StepResult):
-    """`StepResult` plus graph telemetry: this step's (captures, replays), the backend name, captured keys, and
-    (when profiling) the GPU time of the step."""
+    """`StepResult` plus graph telemetry: this step's (captures, replays, failed captures), the backend name,
+    captured keys, failed captures as (key, error message), and (when profiling) the GPU time of the step."""
 
-    graph_counts: tuple[int, int] = (0, 0)
+    graph_counts: tuple[int, int, int] = (0, 0, 0)
     backend: str = ""
     graph_captured: list[tuple] = field(default_factory=list)
+    graph_failed: list[tuple[tuple, str]] = field(default_factory=list)
     gpu_ms: float | None = None
 
 
@@ -137,6 +138,7 @@ class _Launched:
     shape: StepShape | None = None
     graph: bool = False
     captured: tuple | None = None
+    failed: list[Any] = field(default_factory=list)
     events: tuple | None = None
     kv_bytes: int = 0
     t_launch: float = 0.0
@@ -194,6 +196,7 @@ class CudaModelRunner(ModelRunner):
         self.precapture = self.backend_kind == "cuda" and os.environ.get("CBNB_PRECAPTURE", "1") != "0"
         self.step_log: list[dict[str, Any]] = []
         self._pending_captures: list[tuple] = []  # start-up captures, reported with the next step's telemetry
+        self._pending_failures: list[Any] = []  # start-up capture failures, likewise
         self.carried = 0  # tokens substituted on the device from the previous step's output (async carry-over)
         self._turn = 0
         self._prev_rows: dict[str, int] = {}
@@ -312,6 +315,7 @@ class CudaModelRunner(ModelRunner):
                     if self.graph_capture(key, pair, shape, lay):
                         n += 1
                         self._pending_captures.append(key)
+                    self._pending_failures.extend(self.graphs.take_failures())
         if self.compute_stream is not None:
             self.compute_stream.synchronize()
         return n
@@ -327,6 +331,8 @@ class CudaModelRunner(ModelRunner):
                 "async": self.async_mode, "async_reason": getattr(self, "async_reason", ""),
                 "io_pairs": len(self.pairs), "graphs_cached": len(self.graphs),
                 "captures": self.graphs.captures, "replays": self.graphs.replays, "carried_tokens": self.carried,
+                "capture_failures": {str(k): str(e) for k, e in self.graphs.failures.items()},
+                "eager_fallback_steps": self.graphs.eager_runs,
                 "q_interval": self.planner.q_interval if self.configured else None,
                 "kv_interval": self.planner.kv_interval if self.configured else None}
 
@@ -560,6 +566,7 @@ class CudaModelRunner(ModelRunner):
                                               lambda: self._warmup(pair, shape, lay))
                 if cap:
                     captured = key
+                use_graph = key in self.graphs  # False: its capture failed, the step ran eagerly
             else:
                 logits = self._forward(pair, shape, lay)
             # Greedy ids are in `out_dev` already (the captured argmax); sampling rows are drawn in one batched pass.
@@ -580,7 +587,8 @@ class CudaModelRunner(ModelRunner):
         self._prev_pair = pair
         t3 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2)
-        return _Launched(work, pair, samplers, timings, copied, shape, use_graph, captured, events, kv_bytes, t0)
+        return _Launched(work, pair, samplers, timings, copied, shape, use_graph, captured,
+                         self.graphs.take_failures(), events, kv_bytes, t0)
 
     def collect(self, launched: _Launched) -> CudaStepResult:
         """Wait for a launched step's sampled ids and return them."""
@@ -607,10 +615,12 @@ class CudaModelRunner(ModelRunner):
                                   "captured": launched.captured is not None})
         captured = self._pending_captures + ([launched.captured] if launched.captured is not None else [])
         self._pending_captures = []
-        counts = (len(captured), 1 if launched.graph else 0)
+        failed = [(f.key, str(f)) for f in self._pending_failures + launched.failed]
+        self._pending_failures = []
+        counts = (len(captured), 1 if launched.graph else 0, len(failed))
         return CudaStepResult({e.request_id: t for e, t in zip(launched.entries, toks)}, timings, launched.copied,
                               graph_counts=counts, backend=self.backend_name(launched.graph),
-                              graph_captured=captured, gpu_ms=gpu_ms)
+                              graph_captured=captured, graph_failed=failed, gpu_ms=gpu_ms)
 
     def execute(self, work: StepWork) -> CudaStepResult:
         """A synchronous step (`launch` then `collect`)."""

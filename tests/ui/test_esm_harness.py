@@ -198,5 +198,12 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     text = page.locator(".cbnb-plots").text_content()
     assert "CUDA graphs: 0 captures, 0 replays (cpu: graphs off)" in text
     cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawAt.map(d => d[1])")
+    # a failed capture (its shape runs eagerly) shows in the graph chart and the summary line
+    py_set(page, "summary", {**plots.summary, "device": "cuda", "graphs_enabled": True, "graph_captures": 5,
+                             "graph_replays": 40, "graph_capture_failures": 2})
+    page.wait_for_function("() => document.querySelector('.cbnb-plots').textContent.includes("
+                           "'CUDA graphs: 5 captures, 40 replays, 2 failed captures (those shapes run eagerly)')",
+                           timeout=30_000)
+    assert "CUDA graphs 5/40 (2 failed: eager)" in page.locator(".cbnb-plots").text_content()
     (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)
