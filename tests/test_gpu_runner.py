@@ -345,9 +345,9 @@ def test_padded_step_writes_only_real_slots_and_trash():
             assert (allowed | trash)[changed].all(), step  # nothing outside the requests' blocks and the trash
             assert not (changed < eng.layout.bytes_per_sector).any()  # the read-padding sector is never written
             if step == 0:  # 35 real rows padded to 64 (a capture)
-                assert res.graph_counts == (1, 1)
+                assert res.graph_counts == (1, 1, 0)
             if step == 2:  # 3 decodes padded to 4, a replay of the graph captured at step 1: the padded row wrote
-                assert res.graph_counts == (0, 1)  # its K/V to the trash
+                assert res.graph_counts == (0, 1, 0)  # its K/V to the trash
                 assert trash[changed].any()
             eng.core.apply(work, res.tokens)
     finally:

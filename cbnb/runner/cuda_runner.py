@@ -258,6 +258,10 @@ class CudaModelRunner(ModelRunner):
         biggest = MetaLayout.for_shape(self.planner.max_shape())
         self.pairs = [IOPair(i, biggest.total, self.planner.max_seqs, self.device)
                       for i in range(2 if self.async_mode else 1)]
+        if self.graph_varlen or self.graph_decode:  # counted by the cache sizing (`cbnb.cache.sizing.graph_bytes`)
+            head = self.model.get_output_embeddings().weight
+            for pair in self.pairs:
+                pair.logits = torch.empty(self.planner.max_seqs, head.shape[0], dtype=head.dtype, device=self.device)
         self.graphs = GraphCache(self.graphs.backend)  # graphs bind the old pairs' addresses: start afresh
         self._turn = 0
         self._prev_rows = {}
@@ -510,6 +514,9 @@ class CudaModelRunner(ModelRunner):
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, lidx)
         pair.out_dev[:shape.num_seqs].copy_(logits.argmax(-1))
+        if shape.padded and pair.logits is not None:  # a graph's output: the pair's static buffer
+            pair.logits[:logits.shape[0]].copy_(logits)
+            logits = pair.logits[:logits.shape[0]]
         return logits
 
     def _warmup(self, pair: IOPair, shape: StepShape, lay: MetaLayout) -> None:

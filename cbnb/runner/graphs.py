@@ -237,7 +237,9 @@ class MetaLayout:
 
 class IOPair:
     """One host/device IO pair: a packed int32 metadata buffer on the host (pinned on CUDA) and on the device, the
-    sampled-token buffers, and the events that order the H2D copy, the compute and the D2H copy.
+    sampled-token buffers, the static logits buffer its graphs write (`logits`, set by the runner when graphs are on:
+    one buffer for all of the pair's graphs, so captured outputs do not pile up in the graph pool), and the events
+    that order the H2D copy, the compute and the D2H copy.
 
     Args:
         index: the pair's index (0 or 1).
@@ -257,6 +259,7 @@ class IOPair:
         self.h2d_done = torch.cuda.Event() if cuda else None
         self.compute_done = torch.cuda.Event() if cuda else None
         self.d2h_done = torch.cuda.Event() if cuda else None
+        self.logits: torch.Tensor | None = None
         self._views: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def views(self, shape: StepShape, layout: MetaLayout) -> dict[str, torch.Tensor]:

@@ -127,6 +127,12 @@ def test_config_slider_keys_edit_values_and_apply_sends(page, tiny_engine):
     py_set(page, "code", panel.code)
     assert "max_batch_tokens=96" in page.locator(".cbnb-config .cbnb-code").text_content()
     assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=kv_cache]").count() == 2
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 0  # CPU: no graph memory
+    gpu = {**panel.memory, "proposed": {**panel.memory["proposed"], "cuda_graphs": 3 << 28}}
+    py_set(page, "memory", gpu)  # a CUDA engine's preview: the graphs' share is its own segment and legend entry
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 1
+    assert "CUDA graphs 0 B → 768.0 MiB" in page.locator(".cbnb-memory .cbnb-legend").text_content()
+    py_set(page, "memory", panel.memory)
     page.locator(".cbnb-config .cbnb-apply").click()
     m = sent(page)[-1]
     assert m["kind"] == "apply" and m["values"]["max_batch_tokens"] == 96
