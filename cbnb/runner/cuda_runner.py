@@ -42,6 +42,7 @@ import torch
 from ..cache.manager import CacheManager
 from ..core import StepWork
 from .attention import paged_attention_forward, register as register_cpu_attention
+from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
@@ -153,8 +154,13 @@ class CudaModelRunner(ModelRunner):
         config: a resolved `ContinuousBatchingConfig`; may also be given later with `configure` (the engine loop
             configures an unconfigured runner with `engine.config` before its first step).
         backend: "cuda" (real graphs and streams) or "fake" (CPU stand-in); default: "cuda" on CUDA, else "fake".
-        attention: "triton" (kernels) or "torch" (the references); default: "triton" on CUDA when importable.
+        attention: "triton" (kernels) or "torch" (the references); default (`cbnb.runner.device_checks.pick_attention`):
+            "triton" on CUDA when a 1-element Triton kernel launches, else "torch" with the reason in
+            ``describe()["attention_reason"]``; the environment variable ``CBNB_ATTENTION`` forces one.
         num_sms: multiprocessors used to pick decode splits (default: the device's, 132 off CUDA).
+
+    ``CBNB_SYNC_DEBUG=warn|error`` runs every step's queueing (H2D, forward or replay, sampling, D2H) under
+    ``torch.cuda.set_sync_debug_mode``, so a host synchronisation there warns or raises (graph captures excepted).
     """
 
     attention_name = CUDA_ATTN_NAME
@@ -171,7 +177,9 @@ class CudaModelRunner(ModelRunner):
         if self.backend_kind == "cuda" and not cuda:
             raise ValueError("the 'cuda' graph backend needs the KV store on a CUDA device")
         if attention is None:
-            attention = "triton" if (cuda and HAS_TRITON) else "torch"
+            attention, self.attention_reason = pick_attention(self.device)  # probes a Triton launch on CUDA
+        else:
+            self.attention_reason = "" if attention == "triton" else "requested"
         if attention not in ("triton", "torch"):
             raise ValueError(f"attention must be 'triton' or 'torch'; got {attention!r}")
         if attention == "triton" and not HAS_TRITON:
@@ -192,6 +200,7 @@ class CudaModelRunner(ModelRunner):
         self.graph_reason = "not configured"
         self.async_mode = False
         self.profile = bool(os.environ.get("CBNB_PROFILE_STEPS"))
+        self.sync_debug = os.environ.get("CBNB_SYNC_DEBUG") or None  # "warn" / "error": see `launch`
         # Capture the start-up shapes when the engine configures the runner (real CUDA graphs only by default).
         self.precapture = self.backend_kind == "cuda" and os.environ.get("CBNB_PRECAPTURE", "1") != "0"
         self.step_log: list[dict[str, Any]] = []
@@ -330,7 +339,7 @@ class CudaModelRunner(ModelRunner):
 
     def describe(self) -> dict[str, Any]:
         """The effective GPU-path settings (what the config asked for may have been turned off, with the reason)."""
-        return {"backend": self.backend_kind, "attention": self.attention,
+        return {"backend": self.backend_kind, "attention": self.attention, "attention_reason": self.attention_reason,
                 "graphs": (self.graph_varlen, self.graph_decode), "graph_reason": self.graph_reason,
                 "async": self.async_mode, "async_reason": getattr(self, "async_reason", ""),
                 "io_pairs": len(self.pairs), "graphs_cached": len(self.graphs),
@@ -550,6 +559,24 @@ class CudaModelRunner(ModelRunner):
         entries = work.plan.scheduled
         shape, lay, rows, kv_bytes = self._prepare(pair, entries)
         t2 = time.perf_counter()
+        samplers = [s for s in entries if s.samples]
+        key = (pair.index,) + shape.key if shape.padded else None
+        # CBNB_SYNC_DEBUG: any host synchronisation while queueing the step warns or raises (not while capturing,
+        # which synchronises by design).
+        capturing = key is not None and key not in self.graphs and key not in self.graphs.failures
+        with sync_debug(None if capturing else self.sync_debug):
+            graph, captured, events = self._queue(pair, shape, lay, key, samplers)
+        self._prev_rows = rows
+        self._prev_pair = pair
+        t3 = time.perf_counter()
+        timings.update(prepare=t2 - t1, forward=t3 - t2)
+        return _Launched(work, pair, samplers, timings, copied, shape, graph, captured,
+                         self.graphs.take_failures(), events, kv_bytes, t0)
+
+    def _queue(self, pair: IOPair, shape: StepShape, lay: MetaLayout, key: tuple | None,
+               samplers: list[Any]) -> tuple[bool, tuple | None, tuple | None]:
+        """H2D, compute (graph replay, capture or eager forward, then sampling) and D2H of a prepared step, queued
+        on the streams without waiting. Returns (a graph ran, key captured now, profiling events)."""
         n = lay.total
         cuda = self.compute_stream is not None
         if cuda:
@@ -559,21 +586,19 @@ class CudaModelRunner(ModelRunner):
             self.compute_stream.wait_event(pair.h2d_done)
         else:
             pair.dev[:n].copy_(pair.host[:n])
-        samplers = [s for s in entries if s.samples]
-        use_graph = shape.padded
+        graph = False
         captured = None
         events = None
         with maybe_stream(self.compute_stream):
             if cuda and self.profile:
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record(self.compute_stream)
-            if use_graph:
-                key = (pair.index,) + shape.key
+            if key is not None:
                 logits, cap = self.graphs.run(key, lambda: self._forward(pair, shape, lay),
                                               lambda: self._warmup(pair, shape, lay))
                 if cap:
                     captured = key
-                use_graph = key in self.graphs  # False: its capture failed, the step ran eagerly
+                graph = key in self.graphs  # False: its capture failed, the step ran eagerly
             else:
                 logits = self._forward(pair, shape, lay)
             # Greedy ids are in `out_dev` already (the captured argmax); sampling rows are drawn in one batched pass.
@@ -590,12 +615,7 @@ class CudaModelRunner(ModelRunner):
                 pair.d2h_done.record(self.d2h_stream)
         else:
             pair.out_host[:ns].copy_(pair.out_dev[:ns])
-        self._prev_rows = rows
-        self._prev_pair = pair
-        t3 = time.perf_counter()
-        timings.update(prepare=t2 - t1, forward=t3 - t2)
-        return _Launched(work, pair, samplers, timings, copied, shape, use_graph, captured,
-                         self.graphs.take_failures(), events, kv_bytes, t0)
+        return graph, captured, events
 
     def collect(self, launched: _Launched) -> CudaStepResult:
         """Wait for a launched step's sampled ids and return them."""
