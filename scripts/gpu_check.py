@@ -9,9 +9,10 @@ published by then is kept), and prints the plan with each part's cap first:
 1. ``probe``: versions (torch, transformers, Triton), the GPU, the C compiler and ``Python.h`` (Triton builds its
    launcher at the first launch), a 1-element Triton kernel, the device-to-device copy bandwidth. When Triton cannot
    launch, the rest of the run uses the PyTorch reference attention (``CBNB_ATTENTION=torch``) and says so.
-2. ``headline_cbnb``: the headline: cbnb on nanovllm-256 (``shape:qwen3-0.6b``, bf16, graphs + async) at ``--scale``
-   (default 1.0), then at ``--hf-scale`` (default 0.25) for the side-by-side: output tok/s, peak memory against the
-   sizing's estimate, graph captures / replays / failed captures, per-step GPU time against the bandwidth floor.
+2. ``headline_cbnb``: the headline: cbnb on nanovllm-256 (``shape:qwen3-0.6b``, bf16, graphs + async) at
+   ``--hf-scale`` (default 0.25) for the side-by-side, then at ``--scale`` (default 1.0) for the tok/s target: output
+   tok/s, peak memory against the sizing's estimate, graph captures / replays / failed captures, per-step GPU time
+   against the bandwidth floor.
 3. ``headline_hf``: transformers' continuous batching on the same ``--hf-scale`` workload and config (a partial
    figure when it reaches its cap); the speedup and greedy agreement are computed here.
 4. ``sync_debug``: sampled and greedy requests with graphs + async under ``torch.cuda.set_sync_debug_mode("error")``
@@ -49,7 +50,7 @@ TARGET_TOK_S = 30000  # nanovllm-256 on an H200 (design.md, section 5)
 #: (part, hard cap in seconds (None: whatever is left), what it does)
 UNITS: list[tuple[str, float | None, str]] = [
     ("probe", 30, "versions, GPU, gcc / Python.h, a 1-element Triton kernel, copy bandwidth"),
-    ("headline_cbnb", 120, "cbnb, nanovllm-256 (qwen3-0.6b bf16, graphs + async) at --scale and --hf-scale"),
+    ("headline_cbnb", 120, "cbnb, nanovllm-256 (qwen3-0.6b bf16, graphs + async) at --hf-scale and --scale"),
     ("headline_hf", 120, "transformers' continuous batching, nanovllm-256 at --hf-scale, same config"),
     ("sync_debug", 40, "sampled + greedy requests, graphs + async, set_sync_debug_mode('error')"),
     ("kernels", 80, "Triton kernels vs references (each case guarded); decode vs bandwidth floor; prefill"),
