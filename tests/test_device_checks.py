@@ -16,6 +16,7 @@ from cbnb.runner import device_checks as dc  # noqa: E402
 
 def test_triton_launch_check_runs_a_kernel(monkeypatch):
     monkeypatch.setattr(dc, "_CHECKED", {})
+    monkeypatch.setattr(dc, "_KERNEL", None)
     assert dc.triton_launch_check("cpu") == (True, "")
     tools = dc.build_tools()
     assert set(tools) == {"cc", "gcc", "python_h", "python_include"}
@@ -29,7 +30,7 @@ def test_triton_launch_failure_is_a_reason_not_an_exception(monkeypatch):
             return launch
 
     monkeypatch.setattr(dc, "_CHECKED", {})
-    monkeypatch.setattr(dc, "_add_one", Broken())
+    monkeypatch.setattr(dc, "_KERNEL", Broken())
     ok, why = dc.triton_launch_check("cpu")
     assert not ok and "gcc not found" in why and "Python.h" in why
     assert dc.triton_launch_check("cpu") == (ok, why)  # cached: launched once per process and device

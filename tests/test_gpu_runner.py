@@ -234,6 +234,29 @@ def test_failed_captures_fall_back_to_eager_with_the_engine_alive():
     assert {e.key for e in failed} == set(r.graphs.failures)
 
 
+def test_sync_debug_covers_every_step_but_captures(monkeypatch):
+    # CBNB_SYNC_DEBUG=error: each step's queueing runs under set_sync_debug_mode (a no-op on CPU, so spied here),
+    # except a step that captures a graph (capturing synchronises by design).
+    import contextlib
+
+    from cbnb.runner import cuda_runner as cr
+
+    modes = []
+
+    @contextlib.contextmanager
+    def spy(mode):
+        modes.append(mode)
+        yield
+
+    monkeypatch.setattr(cr, "sync_debug", spy)
+    monkeypatch.setenv("CBNB_SYNC_DEBUG", "error")
+    cfg = config(page_size=16, max_batch_tokens=32, q_padding_interval_size=8, kv_padding_interval_size=48)
+    eng, r, outs = run(tiny_model("tiny:llama"), cfg, n=8, sampling=dict(do_sample=True, seed=3))
+    assert all(o.state == RequestState.FINISHED for o in outs)
+    assert modes.count(None) == r.graphs.captures > 0
+    assert modes.count("error") == len(modes) - r.graphs.captures > 0
+
+
 def test_graph_support_rules():
     assert gr.graph_support("cpu", "cuda", "triton")[0] is False
     ok, why = gr.graph_support("cuda", "cuda", "torch")

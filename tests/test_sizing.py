@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
-import cbnb
-from cbnb.cache.layout import layout_for, model_kv_spec
-from cbnb.cache.sizing import GiB, graph_bytes, plan_cache
-from cbnb.models import shape_config
-from cbnb.runner.cuda_runner import CudaModelRunner
+if not torch.cuda.is_available():  # set before Triton is imported (cuda_runner imports the kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers_engine import config, tiny_model
+import cbnb  # noqa: E402
+from cbnb.cache.layout import layout_for, model_kv_spec  # noqa: E402
+from cbnb.cache.sizing import GiB, graph_bytes, plan_cache  # noqa: E402
+from cbnb.models import shape_config  # noqa: E402
+from cbnb.runner.cuda_runner import CudaModelRunner  # noqa: E402
+
+from helpers_engine import config, tiny_model  # noqa: E402
 
 
 def qwen3_spec() -> dict:

@@ -22,12 +22,20 @@ from .triton_attention import HAS_TRITON, TRITON_ERROR, tl, triton
 
 __all__ = ["triton_launch_check", "pick_attention", "build_tools", "sync_debug"]
 
-if HAS_TRITON:
-    @triton.jit
-    def _add_one(x_ptr):
-        tl.store(x_ptr, tl.load(x_ptr) + 1)
-
 _CHECKED: dict[str, tuple[bool, str]] = {}
+_KERNEL: Any = None
+
+
+def _add_one() -> Any:
+    """The probe kernel, compiled on first use (so ``TRITON_INTERPRET`` is read when the check runs)."""
+    global _KERNEL
+    if _KERNEL is None:
+        @triton.jit
+        def add_one(x_ptr):
+            tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+        _KERNEL = add_one
+    return _KERNEL
 
 
 def build_tools() -> dict[str, Any]:
@@ -55,7 +63,7 @@ def triton_launch_check(device: "str | torch.device") -> tuple[bool, str]:
     else:
         try:
             x = torch.zeros(1, dtype=torch.int32, device=dev)
-            _add_one[(1,)](x)
+            _add_one()[(1,)](x)
             got = int(x.cpu()[0])
             res = (True, "") if got == 1 else (False, f"a 1-element Triton kernel wrote {got} instead of 1")
         except Exception as e:  # compiler missing, Python.h missing, driver or PTX errors...
