@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         room = left - 2 * GRACE_S - 1.0  # what a part stopped at its cap may still take
         cap = room if cap_def is None else min(cap_def, room)
         if cap < MIN_START_S:
-            RESULTS["sections"][name] = {"skipped": f"{left:.0f} s left (a part needs >= {MIN_START_S:.0f} s)"}
+            RESULTS["sections"][name] = {"skipped": f"{left:.0f} s left: a part needs {MIN_START_S:.0f} s, plus "
+                                                    f"{2 * GRACE_S + 1:.0f} s to stop it at its cap"}
             log(f"== {name}: SKIPPED ({left:.0f} s left)")
             save(args.out)
             continue
