@@ -11,14 +11,14 @@ Pipeline, in transformers' order, on the rows that sample (``do_sample``), in fp
    see Maddison, Tarlow & Minka, "A* Sampling", NeurIPS 2014, section 2).
 
 The noise is counter-based, not drawn from a stateful generator: ``U`` for (row, token) is a hash of the row's key and
-the token id, and a row's key is a 64-bit BLAKE2 hash of (the request's ``seed``, the index of the output token being
-drawn). A seeded sample is therefore a function of the request and its logits only: the same whatever else shares the
-batch, synchronous or async, with graphs or not, after an offload, a soft reset or a reconfigure. A request without a
-seed is keyed by (the engine seed, its ordinal among the unseeded requests this engine has sampled, in the order of
-their first draw, the index): reproducible for the same workload under the same `ContinuousBatchingConfig.seed`
-(random per engine when unset). ``U`` has 23 random bits, so ``G`` lies in
-[-2.8, 16.6]: a token whose processed logit is more than ~19 below the row's maximum is never drawn (its probability is
-below e^-19 = 6e-9). Cost: about 25 elementwise passes over the ``[rows that sample, vocab]`` int64 block per step.
+the token id, and a row's key is 62 bits of a BLAKE2 hash of (the request's ``seed``, the index of the output token
+being drawn). A seeded sample is therefore a function of the request and its logits only: the same whatever else
+shares the batch, synchronous or async, with graphs or not, after an offload, a soft reset or a reconfigure. A request
+without a seed is keyed by (the engine seed, its ordinal among the unseeded requests this engine has sampled, in the
+order of their first draw, the index): reproducible for the same workload under the same
+`ContinuousBatchingConfig.seed` (random per engine when unset). ``U`` has 23 random bits, so ``G`` lies in
+[-2.8, 16.6]: a token whose processed logit is more than ~19 below the row's maximum is never drawn (its probability
+is below e^-19 = 6e-9). Cost: about 25 elementwise passes over the ``[rows that sample, vocab]`` int64 block per step.
 """
 
 from __future__ import annotations
