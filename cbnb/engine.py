@@ -282,9 +282,11 @@ class Engine:
         r = config.resolve(self.device.type)
         layout = layout_for(self._spec, torch.tensor([], dtype=self.dtype).element_size(), r.page_size)
         free = _free_memory(self.device)
+        graphs = r.cuda_graph_booleans if self.device.type == "cuda" else (False, False)  # the CUDA runner's
         mp = plan_cache(layout, self._spec, max_batch_tokens=r.max_batch_tokens,
                         max_requests_per_batch=r.max_requests_per_batch, max_memory_percent=r.max_memory_percent,
-                        free_bytes=free, weight_bytes=self.weight_bytes, num_blocks=r.num_blocks)
+                        free_bytes=free, weight_bytes=self.weight_bytes, num_blocks=r.num_blocks,
+                        cuda_graphs=graphs, io_pairs=2 if r.use_async_batching and any(graphs) else 1)
         swap = 0
         if r.cpu_offload_space is None or r.cpu_offload_space > 0:
             import psutil
@@ -646,6 +648,8 @@ class Engine:
                 if self.telemetry:
                     for key in getattr(result, "graph_captured", ()) or ():
                         self._ev.append(CudaGraph(work.step_id, t2, "capture", tuple(key)))
+                    for key, err in getattr(result, "graph_failed", ()) or ():
+                        self._ev.append(CudaGraph(work.step_id, t2, "capture_failed", tuple(key), err))
                 last_end = t2
 
         def finish_inflight() -> bool:
@@ -887,7 +891,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ introspection
     def memory_split(self) -> dict[str, int]:
-        """Bytes by use: weights, kv_cache, activations, logits, swap_pool."""
+        """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool."""
         split = self.memory.split()
         split["swap_pool"] = self.store.swap_bytes if self.store is not None else 0
         return split

@@ -149,11 +149,13 @@ class Restore(Event):
 
 @dataclass
 class CudaGraph(Event):
-    """A CUDA graph captured or replayed for a padded shape `key` (query tokens, kv tokens, ...)."""
+    """A CUDA graph captured, replayed, or whose capture failed, for a padded shape `key` (IO pair, kind, query tokens,
+    KV tokens). A failed capture carries the original `error`; that shape then runs eagerly."""
 
     kind: ClassVar[str] = "cuda_graph"
-    action: str = ""  # "capture" | "replay"
+    action: str = ""  # "capture" | "replay" | "capture_failed"
     key: tuple = ()
+    error: str = ""
 
 
 @dataclass

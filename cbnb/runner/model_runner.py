@@ -134,7 +134,7 @@ class ModelRunner:
             logits = logits.index_select(0, batch.logits_indices)
         t3 = time.perf_counter()
         entries = batch.sample_entries
-        toks = self.sampler.sample(logits, [e.request_id for e in entries], [e.request.sampling for e in entries])
+        toks = self.sampler.sample(logits, entries).tolist()
         t4 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
         return StepResult({e.request_id: t for e, t in zip(entries, toks)}, timings, copied)

@@ -127,6 +127,12 @@ def test_config_slider_keys_edit_values_and_apply_sends(page, tiny_engine):
     py_set(page, "code", panel.code)
     assert "max_batch_tokens=96" in page.locator(".cbnb-config .cbnb-code").text_content()
     assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=kv_cache]").count() == 2
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 0  # CPU: no graph memory
+    gpu = {**panel.memory, "proposed": {**panel.memory["proposed"], "cuda_graphs": 3 << 28}}
+    py_set(page, "memory", gpu)  # a CUDA engine's preview: the graphs' share is its own segment and legend entry
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 1
+    assert "CUDA graphs 0 B → 768.0 MiB" in page.locator(".cbnb-memory .cbnb-legend").text_content()
+    py_set(page, "memory", panel.memory)
     page.locator(".cbnb-config .cbnb-apply").click()
     m = sent(page)[-1]
     assert m["kind"] == "apply" and m["values"]["max_batch_tokens"] == 96
@@ -198,5 +204,12 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     text = page.locator(".cbnb-plots").text_content()
     assert "CUDA graphs: 0 captures, 0 replays (cpu: graphs off)" in text
     cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawAt.map(d => d[1])")
+    # a failed capture (its shape runs eagerly) shows in the graph chart and the summary line
+    py_set(page, "summary", {**plots.summary, "device": "cuda", "graphs_enabled": True, "graph_captures": 5,
+                             "graph_replays": 40, "graph_capture_failures": 2})
+    page.wait_for_function("() => document.querySelector('.cbnb-plots').textContent.includes("
+                           "'CUDA graphs: 5 captures, 40 replays, 2 failed captures (those shapes run eagerly)')",
+                           timeout=30_000)
+    assert "CUDA graphs 5/40 (2 failed: eager)" in page.locator(".cbnb-plots").text_content()
     (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)
