@@ -150,18 +150,19 @@ def paused(engine: cbnb.Engine) -> Iterator[None]:
     Submissions made inside the block are therefore all applied in the same loop turn.
     """
     gate = threading.Event()
-    orig = engine._drain
+    loop = engine._loop
+    orig = loop.drain
 
     def gated_drain():
         gate.wait(TIMEOUT)
         return orig()
 
-    engine._drain = gated_drain  # type: ignore[method-assign]
+    loop.drain = gated_drain  # type: ignore[method-assign]
     engine.start()  # after patching, so that a fresh loop's very first drain is held too
     try:
         yield
     finally:
-        engine._drain = orig  # type: ignore[method-assign]
+        loop.drain = orig  # type: ignore[method-assign]
         gate.set()
 
 

@@ -257,14 +257,14 @@ def test_stop_without_drain_cancels_unfinished(llama):
     StepRecorder(engine, before=lambda work: gate.wait(TIMEOUT))
     hs = submit_together(engine, STD_PROMPTS[:3], 50)
     posted = threading.Event()
-    post = engine._post
+    inbox = engine._loop.inbox
+    request_stop = inbox.request_stop
 
-    def spy(msg):  # tells when stop() has queued its message
-        post(msg)
-        if msg[0] == "stop":
-            posted.set()
+    def spy(*args, **kw):  # tells when stop() has asked the loop to stop
+        request_stop(*args, **kw)
+        posted.set()
 
-    engine._post = spy
+    inbox.request_stop = spy
     stopper = threading.Thread(target=engine.stop)  # stop() joins the loop, which is held in its first step
     stopper.start()
     assert posted.wait(TIMEOUT)

@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
-from ..core import StepWork
+from ..plan import StepResult, StepWork
 from ..requests import SamplingParams
 from .attention import paged_attention_forward, register as register_cpu_attention
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -162,7 +162,8 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 # ------------------------------------------------------------------------------------------------ the runner
 class CudaModelRunner(ModelRunner):
-    """The runner used when the KV store is on a CUDA device (`ModelRunner` picks it), or explicitly in tests.
+    """The runner used when the KV store is on a CUDA device (`cbnb.runner.factory.make_runner` picks it), or
+    explicitly in tests.
 
     Args:
         model, cache, store, seed: as `ModelRunner`.
