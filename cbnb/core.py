@@ -97,10 +97,12 @@ class EngineCore:
 
     def _exceeds(self, req: Request) -> str:
         n, limit = len(req.prompt_ids), req.max_new_tokens
-        asked = "an unbounded max_new_tokens" if limit is None else f"max_new_tokens={limit} ({n + limit} tokens)"
-        most = self.cache.max_request_tokens() - n + 1  # the last token is sampled from the last cached position
-        return (f"prompt of {n} tokens with {asked} can never fit: {self._capacity()}; it ends with finish reason "
-                f"'{CACHE_EXHAUSTED}' after at most {most} new tokens")
+        c = self.cache
+        cap = c.max_request_tokens()
+        asked = "an unbounded max_new_tokens" if limit is None else f"max_new_tokens={limit} = {n + limit} tokens"
+        return (f"exceeds the KV cache: {n} prompt tokens + {asked}, but it holds at most {cap} tokens for one "
+                f"request (num_blocks={c.layout.whole_model_blocks(c.num_sectors)}, page_size={c.page_size}); the "
+                f"request ends with finish reason '{CACHE_EXHAUSTED}' after at most {cap - n + 1} new tokens")
 
     def _exhaust(self, req: Request) -> None:
         """End a request that outgrew the whole cache: FAILED when even its prompt does not fit, else FINISHED

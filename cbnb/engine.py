@@ -340,10 +340,14 @@ class Engine:
             return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def requests_snapshot(self) -> list[RequestOutput]:
-        """Live requests (arrival order) followed by the most recently ended ones (up to 256)."""
+        """Live requests (arrival order) followed by the most recently ended ones (up to 256, with their text)."""
         with self._loop.lock:
             live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
-            return [r.output() for r in live] + list(self._loop.recent)
+            ended = list(self._loop.recent)
+        for r in ended:  # decoded once, here on the caller's side (the engine thread never decodes)
+            if self.tokenizer is not None and not r.text and r.output_ids:
+                r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return [r.output() for r in live] + [r.output() for r in ended]
 
     def memory_split(self) -> dict[str, int]:
         """Bytes by use: weights, kv_cache, activations, logits, swap_pool."""

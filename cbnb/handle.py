@@ -3,7 +3,7 @@
 A `RequestHandle` is the caller's side of one request: iterate it (sync or ``async for``) for `TokenDelta`s, or wait
 for its `RequestOutput` with `result()`. The engine thread pushes token ids into the handle's queue without bound
 (the loop never waits on a consumer); text is decoded on the consumer's side (`_Detok`), holding back an incomplete
-UTF-8 tail.
+UTF-8 tail, and so is the final `RequestOutput` (built from the terminal request when first asked).
 
 Waiting and interrupts: a ``KeyboardInterrupt`` (a notebook's interrupt button) that arrives while the caller waits
 in `result()` or in a sync iteration cancels the request, then propagates; a `result()` timeout leaves the request
@@ -14,6 +14,7 @@ running (`Engine.generate` cancels its own requests on a timeout or an interrupt
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import numbers
 import queue
@@ -65,10 +66,11 @@ class RequestHandle:
     """A submitted request: iterate it for `TokenDelta`s, or wait for its `RequestOutput`.
 
     Iteration (sync or async) consumes the stream once: once the final delta has been yielded, iterating again
-    yields nothing. `result()` can be called any number of times.
+    yields nothing. `result()` can be called any number of times (it returns the same object).
 
     Args:
-        request: the submitted request (its id and prompt are read here, nothing else).
+        request: the submitted request. Once it is terminal, the handle builds its `RequestOutput` from it (and
+            decodes its text) on the caller's side, when first asked.
         tokenizer: decodes streamed and final text (None: outputs carry no text).
         cancel: the engine's ``cancel(request_id) -> bool``; held weakly, so a handle never keeps an engine alive.
     """
@@ -80,17 +82,23 @@ class RequestHandle:
         self._tokenizer = tokenizer
         self._cancel = weakref.WeakMethod(cancel) if hasattr(cancel, "__self__") else (lambda: cancel)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()
+        # A lock held until the request is terminal: waiting is one interruptible acquire, and a handle costs
+        # no Python-level synchronisation objects (thousands may be live under a submit flood).
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+        self._lock = _thread.allocate_lock()
+        self._ended: Request | None = None  # the terminal request, set by the engine thread
         self._final: RequestOutput | None = None
         self._consumed = False  # the final delta was yielded: a later iteration must not wait for more
-        self._notify: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._nlock = threading.Lock()
-        self._stream = _Detok(tokenizer)
+        self._notify: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] | None = None  # async iterators
+        self._stream: _Detok | None = None
 
     # ---------------------------------------------------------------- engine side (engine thread only)
     def _wake(self) -> None:
-        with self._nlock:
-            waiters = list(self._notify)
+        if not self._notify:
+            return
+        with self._lock:
+            waiters = list(self._notify or ())
         for loop, ev in waiters:
             try:
                 loop.call_soon_threadsafe(ev.set)
@@ -101,17 +109,25 @@ class RequestHandle:
         self._q.put((token_ids, state))
         self._wake()
 
-    def _finish(self, output: RequestOutput) -> None:
-        if self._tokenizer is not None:
-            output.text = self._tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        self._final = output
-        self._done.set()
+    def _finish(self, request: Request) -> None:
+        self._ended = request
+        self._done.release()
         self._q.put(_FINAL)
         self._wake()
 
     # ---------------------------------------------------------------- consumer side
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._ended is not None
+
+    def _output(self) -> RequestOutput:
+        with self._lock:
+            if self._final is None:
+                req = self._ended
+                assert req is not None
+                if self._tokenizer is not None and not req.text:
+                    req.text = self._tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                self._final = req.output()
+            return self._final
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request is terminal and return its output.
@@ -123,15 +139,16 @@ class RequestHandle:
             ValueError: a `timeout` that is not None or a number >= 0.
         """
         timeout = check_timeout(timeout)
-        try:
-            finished = self._done.wait(timeout)
-        except KeyboardInterrupt:
-            self.cancel()
-            raise
-        if not finished:
-            raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s")
-        assert self._final is not None
-        return self._final
+        if self._ended is None:
+            try:
+                finished = self._done.acquire(True, -1 if timeout is None else timeout)
+            except KeyboardInterrupt:
+                self.cancel()
+                raise
+            if not finished:
+                raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s")
+            self._done.release()  # let every other waiter through too
+        return self._output()
 
     def cancel(self) -> bool:
         """Cancel this request. True: its terminal output is CANCELLED and no token reaches this handle after this
@@ -142,9 +159,10 @@ class RequestHandle:
         return cancel(self.request_id)
 
     def _delta(self, item: Any) -> TokenDelta:
+        if self._stream is None:
+            self._stream = _Detok(self._tokenizer)
         if item is _FINAL:
-            out = self._final
-            assert out is not None
+            out = self._output()
             rest = out.token_ids[len(self._stream.ids):]
             text = self._stream.push(rest, final=True)
             self._consumed = True
@@ -167,7 +185,9 @@ class RequestHandle:
     async def __aiter__(self):
         loop = asyncio.get_running_loop()
         ev = asyncio.Event()
-        with self._nlock:
+        with self._lock:
+            if self._notify is None:
+                self._notify = []
             self._notify.append((loop, ev))
         try:
             while not self._consumed:
@@ -183,7 +203,7 @@ class RequestHandle:
                 await ev.wait()
                 ev.clear()
         finally:
-            with self._nlock:
+            with self._lock:
                 self._notify.remove((loop, ev))
 
     def __repr__(self) -> str:
@@ -238,9 +258,9 @@ class HandleTable:
         if h is not None:
             h._push(token_ids, state)
 
-    def finish(self, output: RequestOutput) -> None:
-        """Hand the terminal output to its handle, which leaves the table."""
+    def finish(self, request: Request) -> None:
+        """Hand a terminal request to its handle, which leaves the table."""
         with self._lock:
-            h = self._handles.pop(output.request_id, None)
+            h = self._handles.pop(request.request_id, None)
         if h is not None:
-            h._finish(output)
+            h._finish(request)

@@ -44,7 +44,7 @@ from typing import Any
 from .handle import HandleTable, RequestHandle
 from .inbox import EngineStoppedError, Inbox, Reconfigure
 from .plan import StepResult, StepWork
-from .requests import Request, RequestOutput, RequestState
+from .requests import Request, RequestState
 from .telemetry import Recorder
 
 __all__ = ["StepLoop", "Step", "run", "sync_loop", "async_loop", "finalize", "MAX_CONSECUTIVE_FAILURES"]
@@ -85,7 +85,7 @@ class StepLoop:
         self.inbox = Inbox()
         self.handles = HandleTable()
         self.lock = threading.RLock()
-        self.recent: deque[RequestOutput] = deque(maxlen=256)
+        self.recent: deque[Request] = deque(maxlen=256)  # the most recently ended requests
         self.state = "created"
         self.error: BaseException | None = None
         self.error_text: str | None = None
@@ -307,9 +307,8 @@ class StepLoop:
     def _on_terminal(self, req: Request) -> None:
         self.runner.forget(req.request_id)
         self.recorder.request_done(req)
-        out = req.output()
-        self.recent.append(out)
-        self.handles.finish(out)
+        self.recent.append(req)
+        self.handles.finish(req)  # its output is built on the caller's side, when asked
 
 
 # ---------------------------------------------------------------------------------------------- the two loops

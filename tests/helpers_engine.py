@@ -9,6 +9,8 @@
 - `paused(engine)`: holds the engine loop before its next drain of the inbox, so a group of submissions lands in
   the same loop turn (deterministic first batches, hence deterministic offloads).
 - `assert_no_blocks(engine, rid)`: the request holds no device or host block and is unknown to the core.
+- `async_engine(model, cfg)`: an engine whose runner is the CUDA runner on CPU (fake graphs, torch attention) with
+  async batching on, so the double-buffered loop runs without a GPU.
 """
 
 from __future__ import annotations
@@ -199,6 +201,18 @@ def assert_cache_empty(engine: cbnb.Engine) -> None:
     if engine.cache.swap is not None:
         for g in engine.cache.swap.allocators:
             assert not any(g.tables.values())
+
+
+def async_engine(model: torch.nn.Module, cfg: cbnb.ContinuousBatchingConfig, **runner_kw: Any) -> cbnb.Engine:
+    from cbnb.runner.cuda_runner import CudaModelRunner
+
+    engine = cbnb.Engine(model, config=cfg)
+    runner = CudaModelRunner(engine.model, engine.cache, engine.store, seed=engine.config.seed, attention="torch",
+                             **runner_kw)
+    runner.configure(engine.config, use_cuda_graph=True, use_async_batching=True)
+    assert runner.async_mode
+    engine.runner = runner
+    return engine
 
 
 def cbnb_threads() -> set[threading.Thread]:
