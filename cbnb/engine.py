@@ -11,7 +11,7 @@
             print(delta.text, end="")
 
 This module is the public API. The work is split by job: `cbnb.loop` (the engine thread and its sync / async step
-loops), `cbnb.inbox` (messages to the loop), `cbnb.handle` (request handles and streaming), `cbnb.prompts` (prompt
+loops), `cbnb.phases` (the loop's state and the phases of a turn), `cbnb.inbox` (messages to the loop), `cbnb.handle` (request handles and streaming), `cbnb.prompts` (prompt
 forms and request arguments), `cbnb.telemetry` (events and stats), `cbnb.build` (cache sizing and the parts of one
 config), `cbnb.core` (the torch-free decisions).
 
@@ -37,7 +37,8 @@ from .cache.snapshot import KVSnapshot, kv_snapshot
 from .config import ContinuousBatchingConfig
 from .handle import RequestHandle, check_timeout
 from .inbox import EngineStoppedError, Reconfigure
-from .loop import StepLoop, finalize
+from .loop import finalize, start as start_loop
+from .phases import LoopState
 from .prompts import prompt_ids, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
 from .telemetry import Recorder
@@ -84,9 +85,9 @@ class Engine:
         emb = model.get_input_embeddings()
         self.vocab_size = int(getattr(emb, "num_embeddings", builder.spec["vocab_size"]))
         self.default_eos = self._default_eos()
-        self._loop = StepLoop(builder, Recorder(self.telemetry, event_log_size))
+        self._loop = LoopState(builder, Recorder(self.telemetry, event_log_size))
         self._loop.install(config or ContinuousBatchingConfig())
-        # The loop thread holds the StepLoop, never this object: once nobody references the Engine, this stops the
+        # The loop thread holds the LoopState, never this object: once nobody references the Engine, this stops the
         # loop and frees the pool (also at interpreter exit).
         self._finalizer = weakref.finalize(self, finalize, self._loop)
 
@@ -163,7 +164,7 @@ class Engine:
             raise EngineStoppedError(f"engine died: {loop.error_text}")
         if loop.state != "running" and loop.thread is not None:
             loop.thread.join()  # a stop() that timed out: let that thread end first
-        loop.start()
+        start_loop(loop)
         return self
 
     def stop(self, drain: bool = False, timeout: float | None = None) -> None:

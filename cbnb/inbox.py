@@ -5,7 +5,7 @@ Four kinds of message, each with its own channel so that a flood of one never st
 - **submissions** (FIFO): new requests. The loop takes at most `max_per_turn` per turn, so steps keep running
   while a thread submits in a tight loop.
 - **cancellations** (a set of request ids): all applied every turn, and again right before a step's tokens are
-  applied, so a cancel that lands while the step is in flight still wins (see `StepLoop`).
+  applied, so a cancel that lands while the step is in flight still wins (see `cbnb.phases.LoopState`).
 - **controls** (FIFO, all taken every turn): `Reconfigure` (and later other control messages).
 - **stop**: a mode ("drain" or "cancel") read by the loop every turn, never queued behind submissions.
 

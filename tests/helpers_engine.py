@@ -1,6 +1,8 @@
 """Shared helpers for the engine tests (`test_engine_oracle.py`, `test_engine_api.py`, `test_engine_faults.py`).
 
-- `tiny_model(name)`: one tiny random model per name for the whole session (float32, CPU, seed 0).
+- `tiny_model(name)`: one tiny random model per name for the whole session (float32, CPU, seed 0); the fixtures
+  `llama` (tiny:llama and its `Oracle`) and `one_torch_thread` (a module runs with one intra-op thread; use it as
+  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``) import from here.
 - `Oracle`: greedy references from ``model.generate`` for one request alone, computed once and sliced for shorter
   lengths (greedy decoding of n tokens is a prefix of decoding m > n tokens: the forwards are the same).
 - `StepRecorder`: wraps ``engine.runner.execute`` to record what every step ran (request, chunk start, chunk size,
@@ -22,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 
 import cbnb
@@ -217,6 +220,17 @@ def async_engine(model: torch.nn.Module, cfg: cbnb.ContinuousBatchingConfig, **r
 
 def cbnb_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("cbnb")}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("tiny:llama"), oracle_for("tiny:llama")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Fault rules of the engine (design section 3): bad prompts, requests larger than the cache, cancellation at every
+"""Fault rules of the engine (where transformers crashes or loses work; `docs/architecture.md`): bad prompts, requests larger than the cache, cancellation at every
 stage, forward exceptions (one batch, then repeated), submitting after stop. In every case the engine either keeps
 serving the other requests correctly (checked against ``model.generate``) or stops with the error surfaced, and every
 request ends with a terminal output; cancelled/failed requests hold no cache blocks."""
@@ -14,23 +14,14 @@ import cbnb
 from cbnb.engine import EngineStoppedError
 from cbnb.requests import RequestState
 
-from helpers_engine import (
-    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, oracle_for,
-    random_prompts, results, submit_together, tiny_model, torch_threads,
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, llama,
+    one_torch_thread, oracle_for, random_prompts, results, submit_together, tiny_model,
 )
 
-LLAMA = "tiny:llama"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model(LLAMA), oracle_for(LLAMA)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _check_finished(oracle, prompts, outs, n):
@@ -140,6 +131,20 @@ def test_request_that_can_never_fit_warns_then_ends_cache_exhausted(name, swap):
     assert [(e.state, e.finish_reason) for e in done] == [("FINISHED", "cache_exhausted")]
     _check_finished(oracle, STD_PROMPTS[:2], after, 8)
     assert_cache_empty(engine)
+
+
+def test_user_facing_messages_speak_of_blocks_and_tokens_never_sectors(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16, num_blocks=4, max_batch_tokens=32))
+    with engine:
+        too_long = engine.submit(random_prompts([200], seed=3)[0], max_new_tokens=2).result(TIMEOUT)
+        exhausted = engine.submit([5, 6, 7], max_new_tokens=500, eos_token_id=-1).result(TIMEOUT)
+    with pytest.raises(MemoryError) as no_room:
+        cbnb.Engine(model, config=config(page_size=16, max_memory_percent=1e-9))
+    assert too_long.state == RequestState.FAILED and exhausted.finish_reason == "cache_exhausted"
+    assert len(exhausted.token_ids) == 64 - 3 + 1  # num_blocks=4 of 16 tokens
+    for msg in (too_long.error, exhausted.warning, str(no_room.value)):
+        assert "sector" not in msg and "block" in msg, msg
 
 
 # ----------------------------------------------------------------------------------------------- cancel

@@ -20,24 +20,15 @@ import cbnb
 from cbnb.engine import EngineStoppedError
 from cbnb.requests import RequestState
 
-from helpers_engine import (
-    STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, async_engine, config, oracle_for, paused, results,
-    submit_together, tiny_model, torch_threads,
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+    STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, async_engine, config, llama, one_torch_thread, paused,
+    results, submit_together,
 )
 
-LLAMA = "tiny:llama"
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model(LLAMA), oracle_for(LLAMA)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine_threads() -> set[threading.Thread]:

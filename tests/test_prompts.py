@@ -14,16 +14,13 @@ import cbnb
 from cbnb.prompts import prompt_ids, split_batch
 from cbnb.requests import RequestState
 
-from helpers_engine import STD_PROMPTS, TIMEOUT, config, oracle_for, tiny_model, torch_threads
+from helpers_engine import STD_PROMPTS, TIMEOUT, config, one_torch_thread, oracle_for, tiny_model  # noqa: F401
 
 LLAMA = "tiny:llama"
 IDS = [11, 12, 13, 14]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Cache sizing: how many sectors fit in memory, and where the bytes go (torch-free arithmetic).
 
-Adapted from transformers' `PagedAttentionMemoryHandler` (reference, section 3.5) to cbnb's backends, which build no
-attention masks and keep no read-index buffers:
+Adapted from transformers' `PagedAttentionMemoryHandler` (5.24, `generation/continuous_batching/cache.py`) to
+cbnb's backends, which build no attention masks and keep no read-index buffers:
 
     available = free_bytes * max_memory_percent
     per batch token  = a * (3 * hidden + H * d + 4 * Hkv * d + 3 * intermediate)   # activations of one token
@@ -119,8 +119,8 @@ def plan_cache(
             raise MemoryError(
                 f"no room for the KV cache: {budget / GiB:.2f} GiB budget (max_memory_percent="
                 f"{max_memory_percent}) minus {act / GiB:.2f} GiB activations for max_batch_tokens="
-                f"{max_batch_tokens} and {logits / GiB:.2f} GiB logits leaves less than one sector "
-                f"({bps} bytes); lower max_batch_tokens or page_size, or set num_blocks"
+                f"{max_batch_tokens} and {logits / GiB:.2f} GiB logits leaves no room for one block of every "
+                f"layer group ({bps} bytes); lower max_batch_tokens or page_size, or set num_blocks"
             )
         explicit = False
     sectors = int(sectors)
