@@ -54,8 +54,9 @@ class LoopState:
     """The engine thread's state and the phases of a turn (see the module docstring).
 
     Args:
-        builder: an `EngineBuilder` (or anything with ``build(config, sink=, on_terminal=)``, `check`,
-            `empty_device_cache`): builds the parts for a config, at start and on every reconfigure.
+        builder: an `EngineBuilder` (anything with ``build(config, sink=, on_terminal=)`` returning
+            `EngineParts`, and ``empty_device_cache()``): builds the parts for a config, at start and on every
+            reconfigure.
         recorder: the `Recorder` for events and stats.
 
     Attributes:
