@@ -11,7 +11,6 @@ stream overlap, and speed (the device check script covers those).
 from __future__ import annotations
 
 import os
-import types
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from cbnb.requests import Request, RequestState, SamplingParams  # noqa: E402
 from cbnb.runner import graphs as gr  # noqa: E402
 from cbnb.runner import triton_attention as ta  # noqa: E402
 from cbnb.runner.cuda_runner import CudaModelRunner  # noqa: E402
+from cbnb.runner.factory import make_runner, runner_kind  # noqa: E402
 from cbnb.runner.model_runner import ModelRunner  # noqa: E402
 
 from helpers_engine import (  # noqa: E402
@@ -279,17 +279,17 @@ def test_runner_disables_graphs_and_async_where_unsupported():
         CudaModelRunner(eng.model, eng.cache, eng.store, backend="cuda")  # real graphs need a CUDA store
 
 
-def test_factory_picks_cuda_runner_on_cuda_store():
+def test_factory_picks_cuda_runner_on_cuda_store(monkeypatch):
     model = tiny_model("tiny:llama")
     eng = cbnb.Engine(model, config=config(page_size=16, num_blocks=32))
     assert type(eng.runner) is ModelRunner  # CPU store: the CPU path
-    fake_store = types.SimpleNamespace(device=torch.device("cuda"))
-    assert type(ModelRunner.__new__(ModelRunner, model, eng.cache, fake_store)) is CudaModelRunner
-    os.environ["CBNB_CUDA_RUNNER"] = "0"
-    try:
-        assert type(ModelRunner.__new__(ModelRunner, model, eng.cache, fake_store)) is ModelRunner
-    finally:
-        del os.environ["CBNB_CUDA_RUNNER"]
+    assert runner_kind(torch.device("cuda")) == "cuda" and runner_kind("cpu") == "cpu"
+    monkeypatch.setenv("CBNB_CUDA_RUNNER", "0")
+    assert runner_kind("cuda") == "cpu"
+    monkeypatch.setenv("CBNB_CUDA_RUNNER", "fake")
+    assert runner_kind("cpu") == "cuda"
+    r = make_runner(model, eng.cache, eng.store, attention="torch")  # the CUDA runner on CPU: fake graphs
+    assert type(r) is CudaModelRunner and r.backend_kind == "fake"
 
 
 # ------------------------------------------------------------------------------------------------ engine == generate

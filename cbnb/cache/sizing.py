@@ -1,7 +1,7 @@
 """Cache sizing: how many sectors fit in memory, and where the bytes go (torch-free arithmetic).
 
-Adapted from transformers' `PagedAttentionMemoryHandler` (reference, section 3.5) to cbnb's backends, which build no
-attention masks and keep no read-index buffers:
+Adapted from transformers' `PagedAttentionMemoryHandler` (5.24, `generation/continuous_batching/cache.py`) to
+cbnb's backends, which build no attention masks and keep no read-index buffers:
 
     available = free_bytes * max_memory_percent
     per batch token  = a * (3 * hidden + H * d + 4 * Hkv * d + 3 * intermediate)   # activations of one token
@@ -155,7 +155,7 @@ def plan_cache(
                 f"no room for the KV cache: {budget / GiB:.2f} GiB budget (max_memory_percent="
                 f"{max_memory_percent}) minus {act / GiB:.2f} GiB activations for max_batch_tokens="
                 f"{max_batch_tokens}, {logits / GiB:.2f} GiB logits and {graphs / GiB:.2f} GiB for CUDA graphs "
-                "leaves less than one sector "
+                "leaves no room for one block of every layer group "
                 f"({bps} bytes); lower max_batch_tokens or page_size, or set num_blocks"
             )
         explicit = False

@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
-from ..core import StepWork
+from ..plan import StepResult, StepWork
 from .attention import paged_attention_forward, register as register_cpu_attention
 from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -123,9 +123,6 @@ class CudaStepResult(StepResult):
     captured keys, failed captures as (key, error message), and (when profiling) the GPU time of the step."""
 
     graph_counts: tuple[int, int, int] = (0, 0, 0)
-    backend: str = ""
-    graph_captured: list[tuple] = field(default_factory=list)
-    graph_failed: list[tuple[tuple, str]] = field(default_factory=list)
     gpu_ms: float | None = None
 
 
@@ -147,7 +144,8 @@ class _Launched:
 
 # ------------------------------------------------------------------------------------------------ the runner
 class CudaModelRunner(ModelRunner):
-    """The runner used when the KV store is on a CUDA device (`ModelRunner` picks it), or explicitly in tests.
+    """The runner used when the KV store is on a CUDA device (`cbnb.runner.factory.make_runner` picks it), or
+    explicitly in tests.
 
     Args:
         model, cache, store, seed: as `ModelRunner`.

@@ -77,7 +77,7 @@ def test_kvmap_draws_100k_blocks_and_hover_asks_for_owner(page):
         return {w: c.width, h: c.height}; }""")
     assert info["w"] > 0 and info["h"] > 0
     title = page.locator(".cbnb-kv-group-title").text_content()
-    assert "100,000 blocks" in title and "full_attention" in title
+    assert "99,998 blocks + 2 reserved padding" in title and "full_attention" in title
     legend = page.locator(".cbnb-kvmap .cbnb-legend").text_content()
     assert "reserved padding: 2" in legend
     # Hover block 5: the panel asks Python for its owner; the answer shows in the tooltip.
@@ -176,6 +176,32 @@ def test_submit_and_stream_buttons_send_messages(page, tiny_engine):
     assert page.locator(".cbnb-stream-item[data-id=req-1] .cbnb-stream-text").text_content() == "Hello world"
     page.locator(".cbnb-stream-item[data-id=req-1] .cbnb-cancel").click()
     assert sent(page)[-1] == {"kind": "cancel", "id": "req-1"}
+
+
+def test_board_shows_errors_and_admission_warnings(page, tiny_engine):
+    from cbnb.requests import RequestOutput, RequestState
+    from cbnb.ui.board import RequestBoardPanel
+    from cbnb.ui.state import request_rows
+
+    warn = "exceeds the KV cache: 40 prompt tokens + max_new_tokens=500 = 540 tokens, but it holds at most 64 tokens"
+    outs = [RequestOutput("req-a", [1] * 40, [5] * 3, state=RequestState.DECODING, warning=warn, max_new_tokens=500),
+            RequestOutput("req-b", [1] * 40, [5] * 25, state=RequestState.FINISHED, warning=warn,
+                          finish_reason="cache_exhausted", max_new_tokens=500),
+            RequestOutput("req-c", [1] * 9, [], state=RequestState.FAILED, error="boom", finish_reason="error")]
+    board = RequestBoardPanel(tiny_engine, autostart=False)
+    board.rows, board.counts, board.hidden = request_rows(outs)
+    mount(page, board)
+    page.wait_for_selector(".cbnb-board tr[data-id=req-a]")
+    cell = page.locator(".cbnb-board tr[data-id=req-a] td.cbnb-col-error")
+    assert cell.text_content().startswith("⚠ exceeds the KV cache") and "cbnb-warning" in cell.get_attribute("class")
+    assert cell.get_attribute("title") == warn
+    ended = page.locator(".cbnb-board tr[data-id=req-b] td.cbnb-col-error").text_content()
+    assert ended.startswith("⚠ ended cache_exhausted: exceeds the KV cache")
+    failed = page.locator(".cbnb-board tr[data-id=req-c] td.cbnb-col-error")
+    assert failed.text_content() == "boom" and "cbnb-warning" not in (failed.get_attribute("class") or "")
+    headers = page.locator(".cbnb-board th").all_text_contents()
+    assert "error / warning" in headers and "warning" not in headers and "finish_reason" not in headers
+    page.screenshot(path=str(ARTIFACTS / "harness-board-warnings.png"))
 
 
 def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
