@@ -29,3 +29,13 @@ def test_engine_imports_without_ui_or_gguf():
             "print(cbnb.Engine.__name__, cbnb.ContinuousBatchingConfig.__name__)")
     mods = _loaded_after(code)
     assert "cbnb.engine" in mods and "torch" in mods
+
+
+def test_engine_and_server_package_import_without_the_web_stack():
+    # Without the `serve` extra, cbnb and cbnb.server still import; serve() names the install command.
+    code = ("import sys\nfor m in ('uvicorn', 'starlette', 'pydantic', 'prometheus_client'): sys.modules[m] = None\n"
+            "import cbnb, cbnb.engine, cbnb.server\n"
+            "from cbnb.server import serve\n"
+            "try:\n    serve(None)\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'cbnb[serve]'" in out and "uvicorn" in out
