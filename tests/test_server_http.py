@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -137,6 +136,16 @@ def test_health_and_metrics(http, served):
     responses = {(s.labels["route"], s.labels["status"]): s.value for s in fams["cbnb_http_responses"].samples
                  if s.name.endswith("_total")}
     assert responses[("/v1/completions", "200")] >= 1
+
+
+def test_continuous_usage_stats_as_guidellm_asks(http):
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stop": None, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = http.post("/v1/completions", json=body)
+    chunks = [json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] for c in chunks)
 
 
 # ------------------------------------------------------------------------------------------------ disconnects

@@ -15,7 +15,6 @@ error response (500 for the unexpected, logged).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import itertools
 import logging
@@ -33,8 +32,8 @@ from .counters import ServerCounters
 from .metrics import CONTENT_TYPE, EngineCollector, render
 from .protocol import ApiError, GenerationRequest
 from .settings import ServerSettings
-from .sse import DONE, ClientGone, EventStream, sse, until_disconnect
-from .stops import StopMatcher
+from .generation import Generation, Slot
+from .sse import ClientGone, EventStream, until_disconnect
 
 __all__ = ["ServerContext", "build_app"]
 
@@ -223,19 +222,6 @@ def _client(request: Request) -> str:
     return f"{c.host}:{c.port}" if c is not None else "unknown"
 
 
-class _Slot:
-    """One of `max_concurrent_requests` places; released exactly once."""
-
-    def __init__(self, ctx: ServerContext, client: str) -> None:
-        self.ctx, self.client, self.tokens, self._held = ctx, client, 0, True
-        ctx.counters.on_start(client)
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.ctx.counters.on_end(self.client, self.tokens)
-
-
 async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     s = ctx.settings
     obj = protocol.parse_json(await _read_body(request, s.max_body_bytes))
@@ -247,7 +233,7 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     if ctx.counters.snapshot()["in_flight"] >= s.max_concurrent_requests:
         raise ApiError(429, f"{s.max_concurrent_requests} requests are in flight (max_concurrent_requests): retry "
                        "later", type="rate_limit_error", code="rate_limit_exceeded", headers={"retry-after": "1"})
-    slot = _Slot(ctx, _client(request))
+    slot = Slot(ctx.counters, _client(request))
     try:
         ids = await until_disconnect(request.receive, ctx.run_blocking(_encode, ctx.engine, g))
         max_new = _check_lengths(ctx, g, len(ids))
@@ -255,7 +241,7 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     except BaseException:
         slot.release()
         raise
-    run = _Run(ctx, handle, g, slot)
+    run = Generation(handle, g, slot, ctx.model_name, ctx.live, lambda: ctx.closing)
     if g.stream:
         return EventStream(run.stream, on_close=lambda gone: run.close())
     try:
@@ -326,117 +312,3 @@ def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: i
         raise protocol.invalid("prompt" if g.kind == "completion" else "messages", str(e)) from None
     ctx.live[rid] = handle
     return handle
-
-
-# ------------------------------------------------------------------------------------------------ one run
-_FINISH = {"eos": "stop", "length": "length", "stop": "stop"}
-
-
-class _Run:
-    """Consumes one request's deltas for a streamed or a collected response."""
-
-    def __init__(self, ctx: ServerContext, handle: Any, g: GenerationRequest, slot: _Slot) -> None:
-        self.ctx, self.handle, self.g, self.slot = ctx, handle, g, slot
-        self.matcher = StopMatcher(g.stop) if g.stop else None
-        self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + handle.request_id
-        self.created = int(time.time())
-        self.prompt_tokens = len(handle.prompt_token_ids)
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.error: ApiError | None = None
-        self.text: list[str] = []
-
-    async def pieces(self):
-        """Text pieces to send, in order; sets finish_reason or error at the end."""
-        it = self.handle.__aiter__()
-        try:
-            async for d in it:
-                self.completion_tokens += len(d.token_ids)
-                self.slot.tokens = self.completion_tokens
-                text = d.text
-                if self.matcher is not None:
-                    text = self.matcher.push(text)
-                    if self.matcher.stopped:
-                        self.finish_reason = "stop"
-                        self.handle.cancel()  # stop strings live in the server for now: end the engine request
-                        if text:
-                            yield text
-                        return
-                    if d.finished:
-                        text += self.matcher.flush()
-                if d.finished:
-                    self._outcome(d)
-                if text:
-                    yield text
-        finally:
-            await it.aclose()
-
-    def _outcome(self, d: Any) -> None:
-        out = self.handle.result(timeout=0)
-        if out.state.name == "FINISHED":
-            self.finish_reason = _FINISH.get(out.finish_reason or "", "stop")
-        elif out.state.name == "CANCELLED":
-            why = out.error or ("the server is stopping" if self.ctx.closing else "the request was cancelled")
-            self.error = ApiError(503, f"request cancelled: {why}", type="server_error", code="request_cancelled")
-        else:
-            self.error = ApiError(500, f"request failed: {out.error}", type="server_error", code="request_failed")
-
-    async def collect(self) -> None:
-        async for piece in self.pieces():
-            self.text.append(piece)
-
-    def close(self) -> None:
-        """Cancel the engine request if it is still running (client gone, error) and free the slot."""
-        if not self.handle.done():
-            self.handle.cancel()
-        self.ctx.live.pop(self.handle.request_id, None)
-        self.slot.release()
-
-    # -------------------------------------------------------------------------------- response bodies
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
-                "system_fingerprint": None}
-
-    def response(self) -> dict[str, Any]:
-        text = "".join(self.text)
-        if self.g.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": self.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
-
-    def _chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-        if self.g.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            c = {**self._head("text_completion"), "choices": [choice]}
-        else:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            c = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        if self.g.include_usage:
-            c["usage"] = None
-        return c
-
-    async def stream(self, emit: Callable[[bytes], Any]) -> None:
-        """Send one chunk per text delta, a last chunk with finish_reason, the usage chunk if asked, [DONE]."""
-        if self.g.kind == "chat":
-            await emit(sse(self._chunk("", None, first=True)))
-        async for piece in self.pieces():
-            await emit(sse(self._chunk(piece, None)))
-        if self.error is not None:
-            await emit(sse(self.error.body()))
-        else:
-            await emit(sse(self._chunk(None if self.g.kind == "chat" else "", self.finish_reason)))
-        if self.g.include_usage:
-            obj = "text_completion" if self.g.kind == "completion" else "chat.completion.chunk"
-            await emit(sse({**self._head(obj), "choices": [], "usage": self.usage()}))
-        await emit(DONE)

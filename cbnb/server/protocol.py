@@ -135,7 +135,7 @@ class _Body(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's; accepted only as false
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (GuideLLM asks for it)
 
 
 class CompletionBody(_Body):
@@ -211,7 +211,7 @@ class GenerationRequest:
         max_tokens: tokens to generate at most, or None (chat without a limit: up to the model's context).
         submit_kwargs: `engine.submit` keyword arguments (sampling, seed, ignore_eos, mapped extensions).
         stop: stop strings the server itself must find in the text (None when the engine handles `stop`).
-        stream, include_usage: streaming flags.
+        stream, include_usage: streaming flags; continuous_usage: usage so far in every chunk (with include_usage).
         model: the model name asked for (None: the served one).
         user: the OpenAI `user` field, if any (shown as part of the request's source).
     """
@@ -223,6 +223,7 @@ class GenerationRequest:
     stop: list[str] | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     model: str | None
     user: str | None
 
@@ -319,6 +320,7 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
     return GenerationRequest(kind=kind, prompt=prompt, max_tokens=max_tokens, submit_kwargs=kw, stop=stop,
                              stream=bool(body.stream), include_usage=bool(opts and opts.include_usage),
+                             continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
                              model=body.model, user=body.user)
 
 
@@ -331,8 +333,6 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
             raise unsupported(field)
     if body.logit_bias and "logit_bias" not in engine_args:
         raise unsupported("logit_bias")
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        raise unsupported("stream_options.continuous_usage_stats")
     if isinstance(body, CompletionBody):
         if body.logprobs not in (None, 0):
             raise unsupported("logprobs")
