@@ -350,3 +350,22 @@ def test_stop_is_idempotent_and_releases_threads():
     server.stop()
     assert not server.running and "stopped" in repr(server)
     assert _server_threads(server.port) == []
+
+
+# ------------------------------------------------------------------------------------------------ load generator
+def test_load_generator_measures_every_request(served):
+    from cbnb.server.loadgen import arrival_times, run_load
+
+    engine, server = served
+    prompts = [[5, 6, 7, 8 + i] for i in range(6)]
+    res = run_load(server.url, prompts, 5, rate=50.0, seed=1)
+    s = res.summary()
+    assert s["requests"] == s["ok"] == 6 and s["errors"] == 0
+    assert all(r.completion_tokens == 5 and r.prompt_tokens == 4 for r in res.records)  # ignore_eos: exactly 5
+    assert s["ttft_s"]["count"] == 6 and s["e2e_s"]["count"] == 6
+    assert all(r.ttft_s <= r.e2e_s for r in res.records)
+    assert s["itl_s"]["count"] == sum(len(r.itl_s) for r in res.records) >= 6
+    offs = arrival_times(100, 2.0, seed=3)
+    assert offs == sorted(offs) and offs[0] == 0 and offs == arrival_times(100, 2.0, seed=3)
+    bad = run_load(server.url, [[5] * 2000], 2)  # longer than the context: a 400 record, not an exception
+    assert bad.summary()["errors"] == 1 and "context" in bad.records[0].error
