@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -151,8 +152,8 @@ def run_load(base_url: str, prompts: Sequence[Any], max_tokens: int | Sequence[i
              ignore_eos: bool = True, timeout: float = 600.0) -> LoadResult:
     """Send every prompt as a streamed completion and measure it; blocks until all are done.
 
-    Runs its own event loop, so call it from a plain thread (in a notebook: a `threading.Thread`, or directly in
-    a cell, which then waits).
+    Runs its own event loop (on a thread of its own when the caller's thread already runs one, as a notebook
+    cell does); the call waits until every request is done.
 
     Args:
         base_url: the server's OpenAI base URL (e.g. `server.url`).
@@ -176,8 +177,14 @@ def run_load(base_url: str, prompts: Sequence[Any], max_tokens: int | Sequence[i
     ns = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(ns) != len(prompts):
         raise ValueError(f"max_tokens has {len(ns)} values for {len(prompts)} prompts")
-    return asyncio.run(_run(base_url, list(prompts), ns, rate, model, api_key, seed, temperature, ignore_eos,
-                            timeout))
+    coro = _run(base_url, list(prompts), ns, rate, model, api_key, seed, temperature, ignore_eos, timeout)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called where an event loop runs (a notebook cell): run on a thread of its own and wait for it there.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbnb-loadgen") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
