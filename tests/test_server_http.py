@@ -344,6 +344,14 @@ def test_engine_stop_stops_the_server_and_its_streams():
         server.stop()
 
 
+def test_serving_a_stopped_engine_is_refused():
+    engine = make_engine()
+    engine.start()
+    engine.stop()
+    with pytest.raises(RuntimeError, match="engine is stopped"):
+        serve(engine, port=0)
+
+
 def test_stop_is_idempotent_and_releases_threads():
     with served_engine() as (engine, server):
         assert isinstance(server, Server) and "running" in repr(server)

@@ -117,14 +117,17 @@ class Server:
         Raises:
             ImportError: without the web stack (`pip install 'cbnb[serve]'`).
             OSError: when the port is taken by another program.
-            RuntimeError: when the server fails to start.
+            RuntimeError: when the engine is stopped or dead, or the server fails to start.
         """
         _require_stack()
         import uvicorn
 
         from .app import ServerContext, build_app
 
-        if self.engine.state == "created":
+        state = self.engine.state
+        if state in ("stopped", "dead"):
+            raise RuntimeError(f"the engine is {state}: start it (engine.start()) before serving it")
+        if state == "created":
             self.engine.start()
         sock = self._bind()
         self.port = sock.getsockname()[1]
