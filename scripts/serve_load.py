@@ -84,7 +84,8 @@ def main() -> None:
                    "--scale", str(a.scale), "--rate", str(a.rate)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
             client = json.loads(res.stdout)
-        out = {"command": " ".join(sys.argv), "client": client, "engine": _engine_side(engine.stats()["run"]), "server": server.counters(),
+        out = {"command": " ".join(sys.argv), "client": client, "engine": _engine_side(engine.stats()["run"]),
+               "server": server.counters(),
                "config": engine.user_config.to_code()}
         server.stop()
     print(json.dumps(out, indent=1, default=str))

@@ -86,6 +86,17 @@ def test_bad_chat_bodies_get_400_naming_the_field(http, body, param):
     assert err(http.post("/v1/chat/completions", json=body), 400)["param"] == param
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan(http, served):
+    # Found by the fuzz test: temperature 1e-300 overflowed the engine's float32 logits to NaN, failing the step's
+    # requests and, repeated, the engine. Below 1e-5 the server samples greedily (as vLLM does).
+    engine, _ = served
+    greedy = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0}).json()
+    for _ in range(4):
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 1e-300})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert engine.running
+
+
 def test_too_long_prompt_is_400_context_length(http, served):
     engine, _ = served
     e = err(http.post("/v1/completions", json={"prompt": [5] * 1024, "max_tokens": 1}), 400)

@@ -217,11 +217,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _client(request: Request) -> str:
-    c = request.client
-    return f"{c.host}:{c.port}" if c is not None else "unknown"
-
-
 async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     s = ctx.settings
     obj = protocol.parse_json(await _read_body(request, s.max_body_bytes))
@@ -233,11 +228,12 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     if ctx.counters.snapshot()["in_flight"] >= s.max_concurrent_requests:
         raise ApiError(429, f"{s.max_concurrent_requests} requests are in flight (max_concurrent_requests): retry "
                        "later", type="rate_limit_error", code="rate_limit_exceeded", headers={"retry-after": "1"})
-    slot = Slot(ctx.counters, _client(request))
+    peer = request.client
+    slot = Slot(ctx.counters, peer.host if peer is not None else "unknown")  # clients: distinct addresses
     try:
         ids = await until_disconnect(request.receive, ctx.run_blocking(_encode, ctx.engine, g))
         max_new = _check_lengths(ctx, g, len(ids))
-        handle = _submit(ctx, g, ids, max_new, slot.client)
+        handle = _submit(ctx, g, ids, max_new, f"{peer.host}:{peer.port}" if peer is not None else "unknown")
     except BaseException:
         slot.release()
         raise

@@ -20,8 +20,9 @@ class ServerCounters:
     """Counts of one server since it started.
 
     `snapshot()` returns: requests_total (generation requests admitted), responses_by_status ({status: count}, all
-    routes), in_flight (generation requests running now), peak_in_flight, clients (distinct client addresses with a request in
-    flight), requests_per_s (generation requests completed per second over the last 10 s), completion_tokens_total.
+    routes), in_flight (generation requests running now), peak_in_flight, clients (distinct client addresses with
+    a request in flight), requests_per_s (generation requests completed per second over the last 10 s, or since
+    the start when sooner), completion_tokens_total.
     """
 
     def __init__(self) -> None:

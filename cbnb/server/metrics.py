@@ -83,7 +83,8 @@ class EngineCollector:
         ):
             yield GaugeMetricFamily(f"cbnb_{name}", doc, value=float(st.get(key, 0.0)))
         cfg = eng.config
-        yield GaugeMetricFamily("cbnb_kv_blocks", "KV cache blocks (config.num_blocks)", value=float(cfg.num_blocks or 0))
+        yield GaugeMetricFamily("cbnb_kv_blocks", "KV cache blocks (config.num_blocks)",
+                                value=float(cfg.num_blocks or 0))
         yield GaugeMetricFamily("cbnb_kv_page_size_tokens", "tokens per KV block", value=float(cfg.page_size))
         ended = CounterMetricFamily("cbnb_requests_ended", "Requests that ended, by final state", labels=["state"])
         for s in ("finished", "failed", "cancelled"):

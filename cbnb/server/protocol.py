@@ -14,8 +14,9 @@ an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or answere
 <field>" when the value would change the output; a neutral value (`frequency_penalty=0`, `n=1`, `logprobs=null`)
 is accepted.
 
-Sampling: `temperature=0` is greedy; any other temperature samples (OpenAI's default is 1.0, so a request without
-`temperature` samples). `top_p=1` means no top-p.
+Sampling: `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM: dividing float32 logits by
+a temperature near 1e-38 overflows to inf and the sampler's probabilities become NaN); any other temperature
+samples (OpenAI's default is 1.0, so a request without `temperature` samples). `top_p=1` means no top-p.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBod
            "ENGINE_ARGS", "error_body"]
 
 INT64 = 2**63
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
 
 # OpenAI field -> the `engine.submit` keyword that implements it (used when the engine's signature has it; the
@@ -290,7 +292,7 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
     _refuse_unsupported(body, engine_args)
     kw: dict[str, Any] = {}
     t = 1.0 if body.temperature is None else body.temperature
-    if t > 0:
+    if t >= GREEDY_BELOW:
         kw.update(do_sample=True, temperature=t)
         if body.top_p is not None and body.top_p < 1:
             kw["top_p"] = body.top_p

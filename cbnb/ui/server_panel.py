@@ -60,7 +60,8 @@ class ServerPanel(Panel):
                 "public": not is_loopback(s.host),
                 "snippets": snippets(s.url, s.model_name, auth),
                 "counters": {"clients": c.get("clients", 0), "in_flight": c.get("in_flight", 0),
-                             "connections": c.get("connections"), "requests_per_s": round(c.get("requests_per_s", 0), 2),
+                             "connections": c.get("connections"),
+                             "requests_per_s": round(c.get("requests_per_s", 0), 2),
                              "requests_total": c.get("requests_total", 0),
                              "errors": sum(n for st, n in by_status.items() if int(st) >= 400)},
             })
