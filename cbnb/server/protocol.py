@@ -33,6 +33,7 @@ __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBod
 INT64 = 2**63
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
+MAX_STOP_CHARS = 256  # per stop sequence: the server searches each streamed piece for them
 
 # OpenAI field -> the `engine.submit` keyword that implements it (used when the engine's signature has it; the
 # issue "generation parity" adds these to the engine).
@@ -119,8 +120,8 @@ class _Body(BaseModel):
             raise ValueError("must be a string or a list of strings")
         if len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences; got {len(v)}")
-        if any(not s for s in v):
-            raise ValueError("stop sequences must not be empty")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
