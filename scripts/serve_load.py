@@ -21,7 +21,6 @@ import tempfile
 
 import cbnb
 from cbnb.models import model_cache_dir
-from cbnb.server import serve
 from cbnb.workloads import get_workload
 
 
@@ -74,7 +73,7 @@ def main() -> None:
     engine = cbnb.Engine(model, tokenizer=tok, config=cbnb.ContinuousBatchingConfig(**w.config_hints))
     with engine:
         engine.generate([w.prompts[0]], max_new_tokens=4)  # warm-up, not measured
-        server = serve(engine, port=0, model_name=a.model)
+        server = engine.serve(port=0, model_name=a.model)
         engine.reset_stats()
         if a.guidellm:
             client = _guidellm(a.guidellm, server.url, a.model, str(model_cache_dir() / a.model), a.rate,

@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable, Iterator
 
 import cbnb
-from cbnb.server import serve
 
 from helpers_engine import TIMEOUT, StepRecorder, config, tiny_model
 
@@ -64,7 +63,7 @@ def served_engine(engine: cbnb.Engine | None = None, **serve_kw: Any) -> Iterato
     engine = engine or make_engine()
     serve_kw.setdefault("port", 0)
     serve_kw.setdefault("model_name", "tiny")
-    server = serve(engine, **serve_kw)
+    server = engine.serve(**serve_kw)
     try:
         yield engine, server
     finally:

@@ -43,7 +43,7 @@ EXPECT = {
     "02_tuning_page_size_and_safety_margin.ipynb": ["Fragmentation", "soft-reset", "ContinuousBatchingConfig("],
     "03_prefix_caching.ipynb": ["of the prompt tokens were served from the cache"],
     "04_offloading_and_soft_reset.ipynb": ["Without a swap pool the engine soft-reset"],
-    "06_serve_and_load.ipynb": ["-> '", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
+    "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
                                 "stopped"],
 }
 

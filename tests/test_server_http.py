@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 
@@ -149,6 +150,48 @@ def test_health_and_metrics(http, served):
     responses = {(s.labels["route"], s.labels["status"]): s.value for s in fams["cbnb_http_responses"].samples
                  if s.name.endswith("_total")}
     assert responses[("/v1/completions", "200")] >= 1
+
+
+class _PublicOnly:
+    """An engine seen only through its public attributes: any private one raises."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"/metrics read the private engine attribute {name}")
+        return getattr(self._engine, name)
+
+
+def test_metrics_read_the_engine_through_its_public_api(http, served):
+    from cbnb.server.counters import ServerCounters
+    from cbnb.server.metrics import EngineCollector, render
+
+    engine, _ = served
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}).status_code == 200
+    text = render(EngineCollector(_PublicOnly(engine), ServerCounters(), lambda: None)).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    lat = engine.latency_samples()
+    for name, key in (("cbnb_time_to_first_token_seconds", "ttft_s"), ("cbnb_time_per_output_token_seconds", "tpot_s"),
+                      ("cbnb_e2e_request_latency_seconds", "e2e_latency_s"),
+                      ("cbnb_request_queue_time_seconds", "queue_time_s")):
+        samples = {(s.name, s.labels.get("le")): s.value for s in fams[name].samples}
+        assert samples[(name + "_count", None)] == samples[(name + "_bucket", "+Inf")] == len(lat[key]) >= 1
+        assert samples[(name + "_sum", None)] == pytest.approx(sum(lat[key]))
+        below = samples[(name + "_bucket", "0.1")]
+        assert below == sum(1 for x in lat[key] if x <= 0.1)
+
+
+def test_http_requests_carry_their_client_as_source(http, served):
+    engine, _ = served
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0, "user": "ada"})
+    rid = r.json()["id"].removeprefix("cmpl-")
+    src = {o.request_id: o.source for o in engine.requests_snapshot()}[rid]
+    assert re.fullmatch(r"http 127\.0\.0\.1:\d+ user=ada", src), src
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    rid = r.json()["id"].removeprefix("chatcmpl-")
+    assert re.fullmatch(r"http 127\.0\.0\.1:\d+", ended(engine, rid).source)
 
 
 def test_continuous_usage_stats_as_guidellm_asks(http):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cbnb.engine import Engine
@@ -55,13 +55,17 @@ def test_stop_goes_to_the_engine_when_it_takes_stop():
     assert g.stop is None and g.submit_kwargs["stop"] == ["\n\n"]
 
 
+@example(text="aaca", stops=["c", "aca"], cuts=[3]).via("a stop inside a longer one completes first")
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="abc\n", max_size=40), stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4),
                                                                    min_size=1, max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=8))
 def test_stop_matcher_equals_cutting_at_the_first_stop(text, stops, cuts):
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    want = text[:min(hits)] if hits else text
+    # Generation halts once a stop string is complete: the first end of one, character by character, cuts the text
+    # (the longest of those ending there).
+    hits = [e - max(len(s) for s in stops if text[:e].endswith(s))
+            for e in range(1, len(text) + 1) if any(text[:e].endswith(s) for s in stops)]
+    want = text[:hits[0]] if hits else text
     m, out, prev = StopMatcher(stops), [], 0
     for c in sorted(set(cuts)) + [len(text)]:
         out.append(m.push(text[prev:c]))

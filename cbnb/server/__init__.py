@@ -3,8 +3,7 @@ pydantic, prometheus_client).
 
 ::
 
-    from cbnb.server import serve
-    server = serve(engine, port=8000)              # 127.0.0.1 by default; other hosts need api_key
+    server = engine.serve(port=8000)               # 127.0.0.1 by default; other hosts need api_key
     from openai import OpenAI
     client = OpenAI(base_url=server.url, api_key="none")
     client.completions.create(model=server.model_name, prompt="Hello", max_tokens=16)
@@ -12,7 +11,8 @@ pydantic, prometheus_client).
 Modules: `settings` (where and what limits), `protocol` (request schemas, validation, OpenAI error JSON), `app`
 (routes), `sse` (streaming and disconnects), `stops` (stop strings, until the engine has them), `metrics`
 (Prometheus), `counters` (live figures), `lifecycle` (the uvicorn thread, start/stop, replacing a server on a port).
-Importing this package needs none of the web stack; `serve()` says what to install when it is missing.
+`engine.serve(...)` calls `serve(engine, ...)` here. Importing this package needs none of the web stack; `serve()`
+says what to install when it is missing.
 """
 
 from __future__ import annotations

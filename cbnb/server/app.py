@@ -2,7 +2,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`, `GET /metrics`.
 Every route but `/health` needs the API key when one is set. Each generation request is an ordinary engine request
-(id ``http-N``): the dashboard's board and the engine's stats show it like any other. Its life:
+(id ``http-N``, source ``"http <host>:<port>"`` of the client, plus ``user=`` when the body names one): the
+dashboard's board and the engine's stats show it like any other. Its life:
 
     body (<= max_body_bytes, else 413) -> JSON object (400) -> schema (400 naming the field) -> model (404)
     -> engine up (503) -> a concurrency slot (429) -> tokenize on the server's worker thread -> prompt and

@@ -2,16 +2,21 @@
 
 ::
 
-    server = serve(engine, port=8000)     # returns once the port accepts connections
+    server = engine.serve(port=8000)      # (= serve(engine, port=8000)) returns once the port accepts connections
     server.url                            # "http://127.0.0.1:8000/v1"
     server.counters()                     # requests, in flight, clients, requests/s, responses by status
-    server.stop()                         # also when the engine stops
+    server.stop()                         # engine.stop() stops it too
 
 The kernel's own event loop is never used or blocked: the server thread runs a fresh asyncio loop. The socket is
 bound in the calling thread, so a busy port fails in the cell with a clear error. Re-running the cell that serves
-on a port stops the server this process already runs there, then binds again. The server stops by itself when its
-engine is stopped (`engine.stop()`); while the engine is dead (repeated forward failures) it stays up and answers
-503 with the engine's error, so clients see why.
+on a port stops the server this process already runs there, then binds again.
+
+Lifetime: a running server holds its engine, so a served engine lives (and serves) until `server.stop()` or
+`engine.stop()`, even when no notebook name refers to it any more; a stopped server lets go of it (the engine's
+finalizer can then free it). `engine.stop()` stops the engine's servers itself; a watcher on the server's loop also
+ends it within 0.2 s of the engine's loop ending any other way. While the engine is dead (repeated forward
+failures) the server stays up and answers 503 with the engine's error, so clients see why. At interpreter exit
+every server is stopped (in-flight requests cancelled, ports closed) before the threads are frozen.
 
 This module imports no web stack until a server starts, so `servers_for()` (used by the dashboard) is always
 importable.
@@ -20,6 +25,7 @@ importable.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import errno
 import logging
@@ -58,6 +64,19 @@ def servers_for(engine: Any) -> list["Server"]:
         return [s for s in _SERVERS.values() if s.engine is engine and s.running]
 
 
+@atexit.register
+def _stop_all() -> None:
+    # At interpreter exit, before the threads are frozen: cancel what is in flight and close every port, so no
+    # server thread is left half-way through a response (engines stop through their own finalizers).
+    with _LOCK:
+        servers = list(_SERVERS.values())
+    for s in servers:
+        try:
+            s.stop(timeout=5.0)
+        except Exception:  # exit goes on for the others
+            log.exception("stopping the cbnb server on port %s at exit", s.port)
+
+
 class Server:
     """An OpenAI-compatible HTTP server over one engine (see `serve`).
 
@@ -69,19 +88,27 @@ class Server:
     """
 
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
-        self.engine = engine
+        self._engine: Any = engine  # strong while it serves; a stopped server keeps only `_engine_ref`
+        self._engine_ref = weakref.ref(engine)
         self.settings = settings
         self.host = settings.host
         self.port = settings.port
+        self._model_name = settings.model_name or ""
         self._thread: threading.Thread | None = None
         self._uv: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: Any = None
+        self._counters: Any = None
         self._error: BaseException | None = None
         self._stopping = False
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cbnb-server-tokenize")
 
     # ------------------------------------------------------------------------------------------ properties
+    @property
+    def engine(self) -> Any:
+        """The served engine; None once the server stopped and nothing else keeps the engine alive."""
+        return self._engine if self._engine is not None else self._engine_ref()
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
@@ -95,12 +122,13 @@ class Server:
 
     @property
     def model_name(self) -> str:
-        return self._ctx.model_name if self._ctx is not None else (self.settings.model_name or "")
+        return self._model_name
 
     def counters(self) -> dict[str, Any]:
         """Live figures: requests_total, in_flight, clients, connections, requests_per_s, responses_by_status,
-        completion_tokens_total (see `ServerCounters`)."""
-        snap = self._ctx.counters.snapshot() if self._ctx is not None else {}
+        completion_tokens_total (see `ServerCounters`); the last ones after the server stopped."""
+        counters = self._counters
+        snap = counters.snapshot() if counters is not None else {}
         snap["connections"] = self._connections()
         snap["running"] = self.running
         return snap
@@ -124,24 +152,29 @@ class Server:
 
         from .app import ServerContext, build_app
 
-        state = self.engine.state
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("a stopped server does not start again: serve the engine anew (engine.serve())")
+        state = engine.state
         if state in ("stopped", "dead"):
             raise RuntimeError(f"the engine is {state}: start it (engine.start()) before serving it")
         if state == "created":
-            self.engine.start()
+            engine.start()
         sock = self._bind()
         self.port = sock.getsockname()[1]
-        self._ctx = ServerContext(self.engine, self.settings, self._run_blocking, self._connections)
-        cfg = uvicorn.Config(build_app(self._ctx), log_config=None, access_log=False, lifespan="off", ws="none",
+        self._ctx = ctx = ServerContext(engine, self.settings, self._run_blocking, self._connections)
+        self._counters, self._model_name = ctx.counters, ctx.model_name
+        cfg = uvicorn.Config(build_app(ctx), log_config=None, access_log=False, lifespan="off", ws="none",
                              timeout_graceful_shutdown=max(1, int(round(self.settings.graceful_shutdown_s))),
                              limit_concurrency=max(1024, 4 * self.settings.max_concurrent_requests))
-        self._uv = uvicorn.Server(cfg)
-        self._thread = threading.Thread(target=self._run, args=(sock,), name=f"cbnb-server-{self.port}", daemon=True)
-        self._thread.start()
+        self._uv = uv = uvicorn.Server(cfg)
+        self._thread = thread = threading.Thread(target=self._run, args=(sock,), name=f"cbnb-server-{self.port}",
+                                                 daemon=True)
+        thread.start()
         deadline = time.monotonic() + timeout
-        while not self._uv.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self._uv.should_exit = True
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                uv.should_exit = True
                 raise RuntimeError(f"the server on port {self.port} did not start: {self._error!r}")
             time.sleep(0.01)
         with _LOCK:
@@ -186,6 +219,9 @@ class Server:
                 with _LOCK:
                     if _SERVERS.get(self.port) is self:
                         del _SERVERS[self.port]
+                # A stopped server no longer keeps its engine alive: the app, the uvicorn server and the routes'
+                # context all hold it, so drop them (the counters stay readable).
+                self._engine = self._ctx = self._uv = self._loop = None
 
     async def _serve(self, sock: socket.socket) -> None:
         watch = asyncio.ensure_future(self._watch_engine())
@@ -195,20 +231,24 @@ class Server:
             watch.cancel()
 
     async def _watch_engine(self) -> None:
-        """Stop with the engine: `engine.stop()` (state "stopped") ends the server too."""
-        engine_ref = weakref.ref(self.engine)
-        while not self._uv.should_exit:
+        """Stop with the engine, however it was stopped (`engine.stop()` stops its servers directly; this also
+        covers a loop ended another way, e.g. by the engine's finalizer at interpreter exit)."""
+        uv, engine_ref = self._uv, self._engine_ref
+        while not uv.should_exit:
             eng = engine_ref()
             if eng is None or eng.state == "stopped":
                 self._begin_shutdown()
                 return
+            del eng
             await asyncio.sleep(_WATCH_S)
 
     def _begin_shutdown(self) -> None:
         # On the server's loop: refuse new requests, cancel live ones (their streams end), then let uvicorn close.
-        if self._ctx is not None:
-            self._ctx.close()
-        self._uv.should_exit = True
+        ctx, uv = self._ctx, self._uv
+        if ctx is not None:
+            ctx.close()
+        if uv is not None:
+            uv.should_exit = True
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop serving: new requests are refused, live ones are cancelled (their blocks freed), the port is
@@ -249,7 +289,8 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str |
         host, port, api_key, allow_unauthenticated, model_name, max_body_bytes, max_prompt_tokens,
         max_tokens_limit, max_concurrent_requests, graceful_shutdown_s: see `ServerSettings`.
 
-    A server that this process already runs on `port` is stopped first (re-running a cell replaces it).
+    A server that this process already runs on `port` is stopped first (re-running a cell replaces it). The
+    running server holds `engine` (see the module docstring for the lifetime rule). `engine.serve(...)` calls this.
 
     Raises:
         ImportError: without the web stack: ``pip install 'cbnb[serve]'``.

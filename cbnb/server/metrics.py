@@ -1,8 +1,9 @@
 """`GET /metrics`: the engine's and the server's figures in Prometheus' text format (via `prometheus_client`).
 
-Everything is read at scrape time from `engine.stats()["cumulative"]` (so counters never go back, also across
-`engine.reset_stats()`), the live requests, and the server's `ServerCounters`. Names follow Prometheus' conventions
-(`cbnb_` prefix, base units, `_total` counters, `_ratio` fractions in [0, 1]):
+Everything is read at scrape time through the engine's public API: `engine.stats()["cumulative"]` and
+`engine.latency_samples(cumulative=True)` (so counters and histograms never go back, also across
+`engine.reset_stats()`), `engine.requests_snapshot()` for the live requests, and the server's `ServerCounters`.
+Names follow Prometheus' conventions (`cbnb_` prefix, base units, `_total` counters, `_ratio` fractions in [0, 1]):
 
 - gauges: `cbnb_engine_up`, `cbnb_requests{state}` (live requests by state), `cbnb_kv_usage_blocks_ratio`,
   `cbnb_kv_usage_tokens_ratio`, `cbnb_kv_fragmentation_ratio`, `cbnb_kv_cached_ratio`, `cbnb_kv_blocks`,
@@ -41,12 +42,6 @@ def _histogram(name: str, doc: str, values: Iterable[float], bounds: tuple[float
     xs = sorted(values)
     buckets = [(repr(float(b)), bisect.bisect_right(xs, b)) for b in bounds] + [("+Inf", len(xs))]
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(xs)))
-
-
-def _samples(engine: Any) -> Any:
-    # The engine keeps every finished request's latencies in its cumulative RunStats (cbnb.stats); the lists are
-    # only appended to, so a copy is consistent enough for a scrape.
-    return getattr(engine, "_total_stats", None)
 
 
 class EngineCollector:
@@ -105,14 +100,14 @@ class EngineCollector:
         for path in ("swap", "soft_reset"):
             off.add_metric([path], float(st.get("offloads_by_path", {}).get(path, 0)))
         yield off
-        rs = _samples(eng)
-        if rs is not None:
-            yield _histogram("cbnb_time_to_first_token_seconds", "Queued to first token", list(rs.ttft), TTFT_BUCKETS)
-            yield _histogram("cbnb_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1)",
-                             list(rs.tpot), TPOT_BUCKETS)
-            yield _histogram("cbnb_e2e_request_latency_seconds", "Queued to finished", list(rs.e2e), LATENCY_BUCKETS)
-            yield _histogram("cbnb_request_queue_time_seconds", "Queued to first scheduled", list(rs.queue),
-                             LATENCY_BUCKETS)
+        lat = eng.latency_samples(cumulative=True)
+        yield _histogram("cbnb_time_to_first_token_seconds", "Queued to first token", lat["ttft_s"], TTFT_BUCKETS)
+        yield _histogram("cbnb_time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1)",
+                         lat["tpot_s"], TPOT_BUCKETS)
+        yield _histogram("cbnb_e2e_request_latency_seconds", "Queued to finished", lat["e2e_latency_s"],
+                         LATENCY_BUCKETS)
+        yield _histogram("cbnb_request_queue_time_seconds", "Queued to first scheduled", lat["queue_time_s"],
+                         LATENCY_BUCKETS)
         snap = self.counters.snapshot()
         yield GaugeMetricFamily("cbnb_http_requests_in_flight", "Generation requests in flight",
                                 value=float(snap["in_flight"]))

@@ -19,6 +19,8 @@ class StopMatcher:
 
     `push(text)` returns what may be sent now; `flush()` returns the held-back tail when the stream ends without a
     stop. Text before a stop string is never held back longer than the longest stop string minus one character.
+    Which stop wins does not depend on how the text is split into pushes: the one whose last character comes first
+    (stops "c" and "aca" on "aaca": "c", leaving "aa").
     """
 
     def __init__(self, stops: list[str]) -> None:
@@ -30,9 +32,12 @@ class StopMatcher:
         if self.stopped:
             return ""
         self.buf += text
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        # The stop string completed first ends the text (generation halts there, as transformers'
+        # StopStringCriteria does after the token that completes it); of those completed at the same character,
+        # the longest. The first occurrence of each string is the one that completes first.
+        hits = [(i + len(s), i) for s in self.stops if (i := self.buf.find(s)) >= 0]
         if hits:
-            out, self.buf, self.stopped = self.buf[:min(hits)], "", True
+            out, self.buf, self.stopped = self.buf[:min(hits)[1]], "", True
             return out
         hold = 0  # the longest tail of buf that is a proper prefix of a stop string
         for s in self.stops:

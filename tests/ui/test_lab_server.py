@@ -1,7 +1,8 @@
 """The server panel in a real JupyterLab through headless Chromium: a notebook serves a tiny engine and sends
 traffic from a thread with the `openai` SDK; the panel's counters move live, "Copy" puts a working curl command on
-the clipboard (Python sees the click), a stopped server leaves the panel. Light and dark screenshots at 1440x900
-go to test-artifacts/ui/."""
+the clipboard (Python sees the click), the request board names each request's source (the HTTP client's address,
+or what a Python caller passed), a stopped server leaves the panel. Light and dark screenshots at 1440x900 go to
+test-artifacts/ui/."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ sys.path.insert(0, {str(REPO / 'tests')!r})
 import torch
 torch.set_num_threads(1)
 from helpers_server import make_engine
-from cbnb.server import serve
-from cbnb.ui import ServerPanel
+from cbnb.ui import RequestBoardPanel, ServerPanel
 engine = make_engine()
-server = serve(engine, port=0, model_name="tiny")
+server = engine.serve(port=0, model_name="tiny")
 panel = ServerPanel(engine)
 panel""",
+    """board = RequestBoardPanel(engine)
+board""",
     """import openai
 
 def traffic(n):
@@ -109,6 +111,28 @@ def test_server_panel_live_copy_and_themes():
                 page.wait_for_timeout(500)  # let the theme's stylesheet apply before the screenshot
                 page.locator(".cbnb-server").scroll_into_view_if_needed()
                 page.screenshot(path=str(ARTIFACTS / "server-panel-dark.png"))
+
+                # The request board names each request's source: the HTTP client's address, or what a Python
+                # caller passed (here a request submitted from the kernel after the HTTP traffic).
+                page.wait_for_function("""() => [...document.querySelectorAll(
+                    '.cbnb-board tr[data-id^="http-"] td.cbnb-col-source')].some(
+                    (td) => /^http 127[.]0[.]0[.]1:[0-9]+$/.test(td.textContent) && td.title === td.textContent)""",
+                                       timeout=60_000)
+                src = lab.kernel_eval({"s": "engine.submit('hello', max_new_tokens=4, source='kernel cell')"
+                                            ".result(60).source"}, timeout=90)["s"]
+                assert src == "'kernel cell'"
+                page.wait_for_function("""() => [...document.querySelectorAll('.cbnb-board td.cbnb-col-source')]
+                    .some((td) => td.textContent === 'kernel cell')""", timeout=30_000)
+                head = page.locator(".cbnb-board th", has_text=re.compile(r"^source$"))
+                assert "client address" in (head.get_attribute("title") or "")
+                page.locator(".cbnb-board").scroll_into_view_if_needed()
+                page.screenshot(path=str(ARTIFACTS / "board-source-dark.png"))
+                page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', "
+                              "{theme: 'JupyterLab Light'})")
+                page.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'", timeout=30_000)
+                page.wait_for_timeout(500)
+                page.locator(".cbnb-board").scroll_into_view_if_needed()
+                page.screenshot(path=str(ARTIFACTS / "board-source-light.png"))
 
                 # A stopped server leaves the panel, which then says how to start one.
                 lab.kernel_eval({"s": "server.stop()"})
