@@ -3,7 +3,7 @@
     .venv/bin/python scripts/serve_load.py --model smollm2-135m --workload cpu-32 --rate 1.5
     .venv/bin/python scripts/serve_load.py --guidellm /path/to/guidellm --rate 1 --requests 16
 
-Starts an engine (the workload's config hints) and `serve()` in this process, then runs the client in a separate
+Starts an engine (the workload's config hints) and `engine.serve()` in this process, then runs the client in a separate
 process: cbnb's own load generator (`python -m cbnb.server.loadgen`, Poisson arrivals, streamed completions), or
 GuideLLM (`--guidellm`: its CLI, given the local tokenizer folder, no model hub; constant rate, synthetic prompts).
 Prints one JSON object: {"client": ..., "engine": engine.stats()["run"] for the same run, "server": counters}.
