@@ -192,7 +192,7 @@ class Engine:
         lifecycle = sys.modules.get("cbnb.server.lifecycle")
         if lifecycle is not None:
             for server in lifecycle.servers_for(self):
-                server.stop(timeout=10.0 if timeout is None else timeout)
+                server.stop(timeout)  # uvicorn bounds its own shutdown (graceful_shutdown_s)
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
               **limits: Any) -> Any:
