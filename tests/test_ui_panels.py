@@ -308,7 +308,7 @@ def test_headless_dashboard_runs_the_live_machinery(engine):
 def test_assets_are_esm_modules_with_shared_helpers():
     from cbnb.ui import _assets
 
-    for name in ("submit.js", "stream.js", "board.js", "kvmap.js", "plots.js", "config.js"):
+    for name in ("submit.js", "stream.js", "board.js", "kvmap.js", "plots.js", "config.js", "server.js"):
         src = _assets.esm(name)
         assert "export default" in src and "function cbnbFrame" in src
     assert ".cbnb-panel" in _assets.css()
