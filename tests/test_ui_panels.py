@@ -257,7 +257,7 @@ def test_config_apply_retunes_between_runs_and_keeps_queued_requests(engine):
     p = ConfigPanel(engine, poller=poller)
     handles = [engine.submit(ids(30, k), max_new_tokens=30, ignore_eos=True) for k in range(4)]
     msg(p, kind="apply", values={"max_batch_tokens": 128, "page_size": 32, "num_blocks": 48})
-    assert p.busy
+    assert p.busy or p.applied_count == 1  # the apply may already be done when the loop thread is quick
     wait_for(lambda: p.applied_count == 1 and not p.busy, timeout=60)
     assert p.message_kind == "ok", p.message
     assert engine.config.max_batch_tokens == 128 and engine.config.page_size == 32 and engine.config.num_blocks == 48
