@@ -7,6 +7,8 @@ Lifecycle (as in transformers, plus CANCELLED)::
        │        (whole remaining prompt fits in one step)
        ▼            ▼              ▼
     FAILED / CANCELLED from any non-terminal state;  PREFILLING/DECODING ──▶ PENDING on offload (swap or soft reset)
+    FINISHED also from PENDING / PREFILLING, only with finish reason "cache_exhausted" (a re-queued or recomputing
+    request whose tokens outgrew the whole cache)
 
 Transitions happen at scheduling time, as in transformers: a request whose remaining prompt fits in this step's
 token budget goes straight to DECODING before its prefill forward runs; a prompt split across steps is PREFILLING
@@ -29,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 __all__ = [
+    "CACHE_EXHAUSTED",
+    "FINISH_REASONS",
+    "MAX_SOURCE_CHARS",
     "RequestState",
     "IllegalTransition",
     "SamplingParams",
@@ -54,10 +59,15 @@ class RequestState(enum.IntEnum):
         return self >= RequestState.FINISHED
 
 
+#: Finish reasons of a terminal request: FINISHED ends with "eos", "length" or "cache_exhausted" (it outgrew the
+#: whole KV cache, see `cbnb.core`); CANCELLED with "cancelled"; FAILED with "error".
+CACHE_EXHAUSTED = "cache_exhausted"
+FINISH_REASONS = ("eos", "length", CACHE_EXHAUSTED, "cancelled", "error")
+
 _S = RequestState
 ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    _S.PENDING: frozenset({_S.PREFILLING, _S.DECODING, _S.FAILED, _S.CANCELLED}),
-    _S.PREFILLING: frozenset({_S.PREFILLING, _S.DECODING, _S.PENDING, _S.FAILED, _S.CANCELLED}),
+    _S.PENDING: frozenset({_S.PREFILLING, _S.DECODING, _S.FINISHED, _S.FAILED, _S.CANCELLED}),
+    _S.PREFILLING: frozenset({_S.PREFILLING, _S.DECODING, _S.PENDING, _S.FINISHED, _S.FAILED, _S.CANCELLED}),
     _S.DECODING: frozenset({_S.DECODING, _S.FINISHED, _S.PENDING, _S.FAILED, _S.CANCELLED}),
     _S.FINISHED: frozenset(),
     _S.FAILED: frozenset(),
@@ -117,18 +127,31 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1] or None; got {p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        object.__setattr__(self, "eos_token_ids", self.normalize_eos(self.eos_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False; got {self.ignore_eos!r}")
+        object.__setattr__(self, "eos_token_ids", self.normalize_eos(self.eos_token_ids, "eos_token_ids"))
 
     @staticmethod
-    def normalize_eos(eos: int | Iterable[int] | None) -> frozenset[int]:
-        """An EOS spec (id, ids or None) as a set of non-negative ids."""
+    def normalize_eos(eos: int | Iterable[int] | None, name: str = "eos_token_id") -> frozenset[int]:
+        """An EOS spec (an id, a list/tuple/set of ids, or None) as a set of non-negative ids.
+
+        Raises:
+            ValueError: naming `name`, for anything else (text, floats, bools, nested lists).
+        """
         if eos is None:
             return frozenset()
-        try:
-            one = operator.index(eos)  # type: ignore[arg-type]
-        except TypeError:
-            return frozenset(int(i) for i in eos if int(i) >= 0)  # type: ignore[union-attr]
-        return frozenset([int(one)]) if one >= 0 else frozenset()
+        items = eos if isinstance(eos, (list, tuple, set, frozenset)) else [eos]
+        ids = []
+        for i in items:
+            try:
+                v = operator.index(i) if not isinstance(i, bool) else None
+            except TypeError:
+                v = None
+            if v is None:
+                raise ValueError(f"{name} must be a token id, a list of token ids or None; got {eos!r}")
+            if v >= 0:
+                ids.append(int(v))
+        return frozenset(ids)
 
 
 @dataclass
@@ -164,6 +187,9 @@ class RequestTimings:
 
 _ARRIVAL = itertools.count()
 
+#: The longest `Request.source` accepted (characters).
+MAX_SOURCE_CHARS = 512
+
 
 class Request:
     """One generation request and its engine-side bookkeeping.
@@ -174,16 +200,19 @@ class Request:
         sampling: a `SamplingParams`.
         max_new_tokens_cap: the effective limit when `sampling.max_new_tokens` is None (model max positions minus
             the prompt length); must be >= 1.
+        source: who sent it, free text shown on the dashboard's board (e.g. "http 127.0.0.1:53211"); None: a
+            call from the notebook. At most `MAX_SOURCE_CHARS` characters.
 
     Raises:
-        ValueError: on an empty prompt or a non-integer / negative token id.
+        ValueError: on an empty prompt, a non-integer / negative token id, or a `source` that is too long.
+        TypeError: on a `source` that is neither a string nor None.
     """
 
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "text", "user_data",
-        "_phase_has_output",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
+        "source", "_phase_has_output",
     )
 
     def __init__(
@@ -194,9 +223,15 @@ class Request:
         *,
         max_new_tokens_cap: int | None = None,
         now: float | None = None,
+        source: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string; got {request_id!r}")
+        if source is not None:
+            if not isinstance(source, str):
+                raise TypeError(f"source must be a string or None; got {type(source).__name__}")
+            if len(source) > MAX_SOURCE_CHARS:
+                raise ValueError(f"source must be at most {MAX_SOURCE_CHARS} characters; got {len(source)}")
         ids = []
         for i in prompt_ids:
             # Accept any integer-like id (numpy / torch integer scalars), stored as a plain int.
@@ -233,9 +268,11 @@ class Request:
         self.num_soft_resets = 0
         self.swapped = False
         self.error: str | None = None
-        self.finish_reason: str | None = None  # "eos", "length", "cancelled", "error"
+        self.finish_reason: str | None = None  # one of FINISH_REASONS
+        self.warning: str | None = None  # set at admission when the request can never fit the cache
         self.text: str = ""
         self.user_data: Any = None
+        self.source: str | None = source
 
     # ------------------------------------------------------------------------------------------ token accounting
     @property
@@ -334,11 +371,13 @@ class Request:
             state=self.state,
             error=self.error,
             finish_reason=self.finish_reason,
+            warning=self.warning,
             timings=RequestTimings(**vars(self.timings)),
             prefix_cached_tokens=self.prefix_cached_tokens,
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
+            source=self.source,
         )
 
     def __repr__(self) -> str:
@@ -358,13 +397,18 @@ class RequestOutput:
         token_ids: generated token ids (EOS included when produced).
         text: decoded `token_ids` (empty when the engine has no tokenizer).
         state: FINISHED, FAILED or CANCELLED for a final output; PENDING/PREFILLING/DECODING for a snapshot.
-        error: the reason, for FAILED.
-        finish_reason: "eos", "length", "cancelled" or "error".
+        error: the reason, for FAILED (and "engine stopped" for requests a `stop()` cancelled).
+        finish_reason: "eos", "length", "cache_exhausted" (it outgrew the whole KV cache; tokens so far kept),
+            "cancelled" or "error".
+        warning: set at admission when prompt + max_new_tokens can never fit the KV cache (the request may end
+            "cache_exhausted"); None otherwise.
         timings: queued / scheduled / first token / finished marks (perf_counter seconds) with ttft_s, e2e_s.
         prefix_cached_tokens: prompt tokens served from the prefix cache (over the request's life).
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
+        source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
+            Python.
     """
 
     request_id: str
@@ -374,11 +418,13 @@ class RequestOutput:
     state: RequestState = RequestState.PENDING
     error: str | None = None
     finish_reason: str | None = None
+    warning: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     prefix_cached_tokens: int = 0
     num_offloads: int = 0
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
+    source: str | None = None
 
     @property
     def finished(self) -> bool:

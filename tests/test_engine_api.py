@@ -14,23 +14,15 @@ import cbnb
 from cbnb.models import _cache_ready, model_cache_dir
 from cbnb.requests import RequestState
 
-from helpers_engine import (
-    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, cbnb_threads, config, oracle_for, paused,
-    random_prompts, results, submit_together, tiny_model, torch_threads,
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, cbnb_threads, config, llama, one_torch_thread,
+    oracle_for, paused, random_prompts, results, submit_together, tiny_model,
 )
 
 LLAMA = "tiny:llama"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model(LLAMA), oracle_for(LLAMA)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +76,44 @@ def test_request_ids_custom_and_duplicate(llama):
     assert out.token_ids == oracle([5, 6, 7], 4)
     assert h.cancel() is False  # already done
     assert engine.cancel("unknown-id") is False
+
+
+def test_source_is_carried_to_outputs_and_snapshots(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    with engine:
+        h = engine.submit([5, 6, 7], max_new_tokens=3, eos_token_id=-1, source="workshop laptop 7")
+        outs = engine.generate([[8, 9], [10, 11]], max_new_tokens=2, eos_token_id=-1, source="batch job",
+                               timeout=TIMEOUT)
+        plain = engine.submit([12, 13], max_new_tokens=2, eos_token_id=-1)
+        assert h.result(TIMEOUT).source == "workshop laptop 7"
+        assert [o.source for o in outs] == ["batch job", "batch job"]
+        assert plain.result(TIMEOUT).source is None
+        snap = {o.request_id: o.source for o in engine.requests_snapshot()}
+        assert snap[h.request_id] == "workshop laptop 7" and snap[plain.request_id] is None
+        assert {snap[o.request_id] for o in outs} == {"batch job"}
+        with pytest.raises(TypeError, match="source must be a string"):
+            engine.submit([5, 6], max_new_tokens=2, source=7)
+        with pytest.raises(ValueError, match="source must be at most 512 characters; got 513"):
+            engine.submit([5, 6], max_new_tokens=2, source="x" * 513)
+        assert engine.cancel_all() == 0  # the refused submissions queued nothing
+
+
+def test_latency_samples_are_the_stats_figures(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    with engine:
+        engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=3, eos_token_id=-1, timeout=TIMEOUT)
+        lat, st = engine.latency_samples(), engine.stats()["cumulative"]
+        assert sorted(lat) == ["e2e_latency_s", "queue_time_s", "tpot_s", "ttft_s"]
+        for key in lat:
+            assert len(lat[key]) == st[key]["count"] == 2 and max(lat[key]) == st[key]["max"]
+        lat["ttft_s"].clear()  # a copy: the engine's figures are untouched
+        assert len(engine.latency_samples()["ttft_s"]) == 2
+        engine.reset_stats()
+        engine.generate([[5, 6]], max_new_tokens=2, eos_token_id=-1, timeout=TIMEOUT)
+        assert len(engine.latency_samples(cumulative=False)["e2e_latency_s"]) == 1
+        assert len(engine.latency_samples()["e2e_latency_s"]) == 3
 
 
 # ----------------------------------------------------------------------------------------------- streaming
@@ -257,14 +287,14 @@ def test_stop_without_drain_cancels_unfinished(llama):
     StepRecorder(engine, before=lambda work: gate.wait(TIMEOUT))
     hs = submit_together(engine, STD_PROMPTS[:3], 50)
     posted = threading.Event()
-    post = engine._post
+    inbox = engine._loop.inbox
+    request_stop = inbox.request_stop
 
-    def spy(msg):  # tells when stop() has queued its message
-        post(msg)
-        if msg[0] == "stop":
-            posted.set()
+    def spy(*args, **kw):  # tells when stop() has asked the loop to stop
+        request_stop(*args, **kw)
+        posted.set()
 
-    engine._post = spy
+    inbox.request_stop = spy
     stopper = threading.Thread(target=engine.stop)  # stop() joins the loop, which is held in its first step
     stopper.start()
     assert posted.wait(TIMEOUT)
@@ -343,6 +373,37 @@ def test_explicit_num_blocks_honoured(name):
     engine = cbnb.Engine(tiny_model(name), config=config(page_size=16, num_blocks=37, max_batch_tokens=48))
     assert engine.config.num_blocks == 37
     assert engine.config.max_batch_tokens == 48
+
+
+@pytest.mark.parametrize("name, groups", [
+    ("tiny:llama", ["group 0 (full_attention, page 16 tokens): 64 blocks + 2 reserved padding"]),
+    ("tiny:gemma3", ["group 0 (sliding_attention, page 16 tokens): 86 blocks + 2 reserved padding",
+                     "group 1 (full_attention, page 16 tokens): 258 blocks + 6 reserved padding"])])
+def test_snapshot_labels_the_reserved_padding_blocks(name, groups):
+    engine = cbnb.Engine(tiny_model(name), config=config(page_size=16, num_blocks=64))
+    snap = engine.snapshot()
+    assert repr(snap) == f"KVSnapshot({'; '.join(groups)}; 0 requests)"
+    g = snap.groups[0]
+    assert g.reserved_blocks == 2 and g.counts()["reserved"] == 2 and set(g.padding_blocks) <= {0, 1, 2, 3}
+    assert g.usable_blocks + g.reserved_blocks == g.num_blocks
+    if name == "tiny:llama":
+        assert g.usable_blocks == engine.config.num_blocks == 64
+        gate, held = threading.Event(), threading.Event()
+
+        def before(work):  # hold its second step (its table: 48 slots, 3 blocks of 16) while we look
+            if any(len(s.request.output_ids) == 1 for s in work.plan.scheduled):
+                held.set()
+                gate.wait(TIMEOUT)
+
+        StepRecorder(engine, before=before)
+        with engine:
+            h = engine.submit(STD_PROMPTS[4], max_new_tokens=2, eos_token_id=-1)  # 47 tokens
+            assert held.wait(TIMEOUT)
+            used = engine.snapshot()
+            gate.set()
+            h.result(TIMEOUT)
+        assert repr(used).startswith("KVSnapshot(group 0 (full_attention, page 16 tokens): 64 blocks + 2 reserved "
+                                     "padding, 3 allocated")
 
 
 def test_reconfigure_between_runs(llama):
