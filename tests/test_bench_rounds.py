@@ -231,9 +231,11 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
         m = r["machine"]
         assert m["copy_bytes_per_s"] == 1e10 and m["prefill_flops_per_s"] > 0
         assert r["floor_s"] == pytest.approx(max(m["compute_s"], m["bytes_s"]))
-    # The shares use the floor at the best rates seen in the run: the lowest per-round floor.
+    # The shares use the floor at the best rates of all probes in the run (round starts and before each peer).
     rf = rep["roofline"]
-    assert rf["best_rates"]["prefill_flops_per_s"] == max(r["machine"]["prefill_flops_per_s"] for r in rep["rounds"])
+    probes = [r["machine"] for r in rep["rounds"]] + rf["between_probes"]
+    assert rf["probes"] == len(probes)
+    assert rf["best_rates"]["prefill_flops_per_s"] == max(m["prefill_flops_per_s"] for m in probes)
     assert rf["floor_s"] == pytest.approx(max(rf["compute_s"], rf["bytes_s"]))
     assert rf["floor_s"] <= min(r["floor_s"] for r in rep["rounds"]) * (1 + 1e-9)
     assert rep["summary"]["cbnb"]["lone_ttft_s"]["n"] == 2

@@ -176,6 +176,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
     rounds = run_rounds(entries, args.repeat, probe=probe, between=between, on_round=on_round)
     machines = [r.machine for r in rounds if r.machine]
     report["roofline"]["probes"] = len(machines) + len(extra_probes)
+    report["roofline"]["between_probes"] = extra_probes  # the probes taken before each peer's run
     floors: list[float | None] = [None] * len(rounds)
     if machines:
         best = {k: max(m[k] for m in machines + extra_probes) for k in ("prefill_flops_per_s", "decode_flops_per_s",

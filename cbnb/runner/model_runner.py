@@ -50,8 +50,6 @@ class ModelRunner:
     attention_name = ATTN_NAME
     #: Synchronous steps only (the CUDA runner sets this once configured for async batching).
     async_mode = False
-    #: Nothing to size before the first step (the CUDA runner needs `configure`).
-    configured = True
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
         register()
@@ -110,9 +108,6 @@ class ModelRunner:
                     del _ACTIVE[self.model]
                     self.model.set_attn_implementation(entry[1])
             self._previous_impl = None
-
-    def configure(self, config: Any) -> None:
-        """Nothing to configure on the CPU path (the CUDA runner sizes its static buffers here)."""
 
     @property
     def active(self) -> bool:
