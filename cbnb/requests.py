@@ -182,7 +182,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "text", "user_data",
+        "num_soft_resets", "swapped", "error", "finish_reason", "text", "user_data", "token_times",
         "_phase_has_output",
     )
 
@@ -212,6 +212,7 @@ class Request:
         self.request_id = request_id
         self.prompt_ids: list[int] = ids
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []  # when each output token was appended (perf_counter s, or `now`)
         self.sampling = sampling or SamplingParams()
         limit = self.sampling.max_new_tokens
         if limit is None:
@@ -314,8 +315,10 @@ class Request:
         if self.pending_samples > 0:
             self.pending_samples -= 1
         self.output_ids.append(int(token))
+        t = time.perf_counter() if now is None else now
+        self.token_times.append(t)
         if self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter() if now is None else now
+            self.timings.first_token = t
         if not self.sampling.ignore_eos and token in self.sampling.eos_token_ids:
             self.finish_reason = "eos"
             return True
@@ -339,6 +342,7 @@ class Request:
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
+            token_times=list(self.token_times),
         )
 
     def __repr__(self) -> str:
@@ -365,6 +369,8 @@ class RequestOutput:
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
+        token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
+            the source of inter-token latencies.
     """
 
     request_id: str
@@ -379,6 +385,7 @@ class RequestOutput:
     num_offloads: int = 0
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

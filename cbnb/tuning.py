@@ -1,0 +1,285 @@
+"""Tuning: run a workload into the run log, sweep configs with interleaved repeats, and say what won (or that it
+was a tie within noise).
+
+::
+
+    from cbnb.tuning import run_workload, sweep, best
+    run = run_workload(engine, get_workload("cpu-poisson"), slo=SLO(ttft_s=1.0, tpot_s=0.1))
+    result = sweep(engine, wl, {"page_size": [16, 64]}, repeats=3)      # 6 runs: 16, 64, 16, 64, 16, 64
+    result.summary()                                                      # median and min-max per figure
+    print(best(result, "goodput_requests_per_s"))                         # winner, or "tie within noise"
+
+Noise. On a shared machine one run can swing by a factor of 3, so a sweep repeats every point and interleaves the
+points round-robin (a noisy minute hits every config alike), and `best` names a winner only when the best point's
+min-max range over its repeats overlaps no other point's range; otherwise it says "tie within noise" and gives the
+numbers. Every run starts on a fresh cache (the engine is reconfigured before each run), so a repeat never hits the
+previous repeat's prefix cache. Works with any engine-like object (`cbnb.driver`); torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .driver import Driver
+from .metrics import FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
+from .runs import Run, RunLog, change_text, run_log, spread, summary_frame
+
+__all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
+           "workload_info"]
+
+
+def engine_name(engine: Any) -> str:
+    """"cbnb" for `cbnb.Engine`; an engine-like object names itself with an ``engine_name`` attribute."""
+    return str(getattr(engine, "engine_name", "cbnb"))
+
+
+def workload_info(workload: Any, time_scale: float = 1.0) -> dict[str, Any]:
+    """What the run log stores about a workload."""
+    tr = dict(getattr(workload, "traffic", {}) or {})
+    return {"name": workload.name, "requests": workload.num_requests, "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": sum(workload.max_new_tokens), "arrivals": tr.get("arrivals", {"kind": "offline"}),
+            "traffic": tr, "time_scale": time_scale}
+
+
+def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
+    """`engine.reconfigure(config)`, recorded in the run log (unless the engine records reconfigures itself)."""
+    old = getattr(engine, "user_config", None)
+    resolved = engine.reconfigure(config)
+    if not getattr(engine, "records_reconfigures", False):
+        (log or run_log(engine)).record_reconfigure(old, config, engine=engine_name(engine))
+    return resolved
+
+
+def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: Any = None,
+                 timeout: float | None = 3600.0, label: str = "", log: bool | RunLog = True,
+                 reset_stats: bool = True, time_scale: float = 1.0, submit_kwargs: dict[str, Any] | None = None,
+                 **extra: Any) -> Run:
+    """Drive `workload` through `engine` at its arrival times and return the `Run` (also appended to the log).
+
+    Args:
+        slo: the goodput objective (default `SLO()`).
+        clock: the driver's clock (default: wall clock).
+        timeout: wall seconds for the whole run (unfinished requests are cancelled, then TimeoutError).
+        label: a free-form label stored with the run.
+        log: True: the engine's run log (`run_log(engine)`); a `RunLog`: that one; False: not recorded.
+        reset_stats: start a new ``engine.stats()["run"]`` first (the run's KV / offload figures come from it).
+        time_scale, submit_kwargs: passed to `Driver`.
+        extra: stored on the run (sweep, point, repeat, note).
+
+    Raises:
+        TimeoutError: the run did not end within `timeout`.
+    """
+    if hasattr(engine, "start"):
+        engine.start()
+    if reset_stats and hasattr(engine, "reset_stats"):
+        engine.reset_stats()
+    driver = Driver(engine, workload, clock=clock, time_scale=time_scale, submit_kwargs=submit_kwargs)
+    records = driver.run(timeout)
+    metrics = summarize(records, slo=slo, duration_s=driver.duration_s)
+    stats = engine.stats() if hasattr(engine, "stats") else None
+    metrics.update(engine_figures(stats.get("run") if isinstance(stats, Mapping) else None))
+    config = getattr(engine, "user_config", None) or getattr(engine, "config", None)
+    target = log if isinstance(log, RunLog) else (run_log(engine) if log else RunLog(base=config))
+    return target.add("run", engine=engine_name(engine), config=config, workload=workload_info(workload, time_scale),
+                      metrics=metrics, records=records, label=label, **extra)
+
+
+def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: float | None = 3600.0) -> dict:
+    """The engine's service capacity on `workload`'s requests: all submitted at 0, finished requests per second.
+
+    Returns:
+        {"capacity_requests_per_s": median, "runs_requests_per_s": [per run], "output_tokens_per_s": median}.
+        A Poisson rate of ``load * capacity`` loads the engine to about ``load`` (utilisation = rate / capacity).
+    """
+    from .traffic import Offline
+    from .workloads import with_arrivals
+
+    offline = with_arrivals(workload, Offline())
+    rps, tps = [], []
+    for _ in range(repeats):
+        cfg = getattr(engine, "user_config", None)
+        if cfg is not None and hasattr(engine, "reconfigure"):
+            engine.reconfigure(cfg)  # a fresh cache: no prefix hits from the previous repeat
+        run = run_workload(engine, offline, log=False, timeout=timeout)
+        rps.append(run.metrics["requests_per_s"])
+        tps.append(run.metrics["output_tokens_per_s"])
+    return {"capacity_requests_per_s": spread(rps)[0], "runs_requests_per_s": rps,
+            "output_tokens_per_s": spread(tps)[0]}
+
+
+def _points(params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(params, Mapping):
+        keys = list(params)
+        return [dict(zip(keys, v)) for v in itertools.product(*(list(params[k]) for k in keys))]
+    return [dict(p) for p in params]
+
+
+@dataclass
+class SweepResult:
+    """The runs of one sweep: `points` (config changes), `runs` (in the order they ran)."""
+
+    sweep_id: str
+    points: list[dict[str, Any]]
+    runs: list[Run] = field(default_factory=list)
+    log: RunLog | None = None
+
+    def frame(self):
+        """One row per run (point, repeat, the changes, the figures)."""
+        import pandas as pd
+
+        return pd.DataFrame([{"point": r.point, "repeat": r.repeat, "change": r.change, **r.changes, **r.metrics}
+                             for r in self.runs])
+
+    def groups(self) -> list[list[Run]]:
+        """Runs by point, in point order."""
+        by: dict[int, list[Run]] = {}
+        for r in self.runs:
+            by.setdefault(int(r.point or 0), []).append(r)
+        return [by[k] for k in sorted(by)]
+
+    def summary(self, figures: Iterable[str] | None = None):
+        """One row per point: the point's changes, n, and ``<figure>_median/_min/_max`` (see `RunLog.summary`)."""
+        groups = self.groups()
+        return summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
+
+    def best(self, figure: str, higher: bool | None = None) -> "Verdict":
+        return best(self, figure, higher=higher)
+
+
+def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]], *,
+          repeats: int = 3, base: Any = None, derive: Callable[[dict], Mapping[str, Any]] | None = None,
+          slo: SLO | None = None, warmup: bool = True, progress: bool = True, timeout: float | None = 3600.0,
+          log: RunLog | None = None) -> SweepResult:
+    """Run `workload` at every config point, `repeats` times, interleaved round-robin (p1, p2, ..., p1, p2, ...).
+
+    Args:
+        engine: an engine with ``reconfigure`` (left on the last point's config).
+        params: a grid {field: values} (every combination) or a list of {field: value} dicts.
+        repeats: runs per point (>= 1); 3 or more gives a min-max range to judge noise by.
+        base: the config the changes apply to (default: the engine's current user config).
+        derive: function(changes) -> more changes (e.g. keep the cache's bytes fixed: num_blocks from page_size).
+        slo: the goodput objective for every run.
+        warmup: one short request on each fresh cache before its run (not recorded).
+        progress: print one line per run.
+
+    Raises:
+        ValueError: repeats < 1 or no points.
+    """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}")
+    points = _points(params)
+    if not points:
+        raise ValueError("params gives no config point")
+    base = base if base is not None else engine.user_config
+    log = log or run_log(engine)
+    sid = f"sweep-{len(log) + 1}"
+    configs = []
+    for changes in points:
+        full = dict(changes)
+        if derive is not None:
+            full.update(derive(dict(changes)))
+        configs.append((full, base.copy(**full)))
+    result = SweepResult(sid, [c[0] for c in configs], log=log)  # points: the full changes (derived ones too)
+    total = repeats * len(configs)
+    for k, (rep, p) in enumerate(((r, p) for r in range(repeats) for p in range(len(configs)))):
+        full, cfg = configs[p]
+        reconfigure(engine, cfg, log=log)
+        if warmup and workload.num_requests and hasattr(engine, "generate"):
+            prompt = workload.prompts[0]
+            engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
+                            ignore_eos=True)
+        run = run_workload(engine, workload, slo=slo, timeout=timeout, log=log, label=change_text(full),
+                           sweep=sid, point=p, repeat=rep)
+        result.runs.append(run)
+        if progress:
+            m = run.metrics
+            print(f"[{k + 1}/{total}] {change_text(full)} (repeat {rep + 1}/{repeats}): "
+                  f"goodput {m['goodput_requests_per_s']:.2f} req/s, TTFT p99 {_f(m['ttft_s_p99'])} s, "
+                  f"TPOT p99 {_f(m['tpot_s_p99'], 3)} s, {m['output_tokens_per_s']:.1f} out tok/s, "
+                  f"soft resets {m.get('soft_resets', 0)}")
+    return result
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+@dataclass
+class Verdict:
+    """What `best` concluded.
+
+    Attributes:
+        figure: the figure compared; higher: whether higher is better.
+        winner: the winning point's config change (None when it is a tie within noise).
+        tie: True when the best point's range overlaps another point's range.
+        ranking: [(change text, median, min, max, n)] best first.
+        tied_with: change texts of the points whose ranges overlap the best one's.
+        text: the sentence to print.
+    """
+
+    figure: str
+    higher: bool
+    winner: dict[str, Any] | None
+    tie: bool
+    ranking: list[tuple[str, float | None, float | None, float | None, int]]
+    tied_with: list[str]
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _rng(m: float | None, lo: float | None, hi: float | None, digits: int) -> str:
+    if m is None:
+        return "n/a"
+    return f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *, higher: bool | None = None,
+         digits: int = 3) -> Verdict:
+    """Name the point with the best median `figure`, but only when its min-max range overlaps no other point's.
+
+    Args:
+        result: a `SweepResult`, a `RunLog` (its groups of repeats), or groups of runs.
+        figure: a metric name, e.g. "goodput_requests_per_s", "ttft_s_p99".
+        higher: whether higher is better (default: from the name, `cbnb.metrics.higher_is_better`).
+
+    Raises:
+        ValueError: fewer than two points, or no point has the figure.
+    """
+    groups = result.groups() if hasattr(result, "groups") else [list(g) for g in result]
+    points = getattr(result, "points", None)
+    up = higher_is_better(figure) if higher is None else bool(higher)
+    rows = []
+    for g in groups:
+        s = spread(r.metrics.get(figure) for r in g)
+        # A sweep's point is named by its own changes (also those equal to the log's base); other runs by their
+        # change against the log's base.
+        changes = dict(points[g[0].point]) if points is not None and g[0].point is not None else dict(g[0].changes)
+        name = change_text(changes)
+        rows.append((name if g[0].engine == "cbnb" else f"{g[0].engine}: {name}", *s, len(g), changes))
+    have = [r for r in rows if r[1] is not None]
+    if len(rows) < 2:
+        raise ValueError(f"best needs at least two points to compare; got {len(rows)}")
+    if not have:
+        raise ValueError(f"no run has the figure {figure!r}")
+    have.sort(key=lambda r: r[1], reverse=up)
+    ranking = [r[:5] for r in have]
+    top = have[0]
+    label = FIGURE_LABELS.get(figure, figure)
+    tied = [r for r in have[1:] if r[2] <= top[3] and top[2] <= r[3]]
+    ns = sorted({r[4] for r in have})
+    runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
+    if tied:
+        others = "; ".join(f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied)
+        text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} overlaps "
+                f"{others} (median [min-max] over {runs_txt}).")
+        return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text)
+    second = have[1] if len(have) > 1 else None
+    note = " One run per point: the noise was not measured, so treat this as provisional." if ns[-1] < 2 else ""
+    vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
+    text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
+            f"{runs_txt}; no range overlaps the winner's).{note}")
+    return Verdict(figure, up, top[5], False, ranking, [], text)
