@@ -135,16 +135,25 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
                       extra, err)
 
 
+def hf_cb_manager(model, config, max_new_tokens: int):
+    """transformers' continuous-batching manager for `model` with `config`'s values, started (greedy, EOS off).
+
+    Also used by `cbnb.peers.HFContinuousBatching` (the notebook A/B with arrival times).
+    """
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_new_tokens)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=config.to_transformers())
+    manager.start()
+    return manager
+
+
 def run_hf_cb(model, workload, config) -> PeerResult:
     """transformers' continuous batching with the same config values."""
     import torch
-    from transformers import GenerationConfig
 
     device = next(model.parameters()).device.type
-    gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(workload.max_new_tokens))
-    hf_cfg = config.to_transformers()
-    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=hf_cfg)
-    manager.start()
+    manager = hf_cb_manager(model, config, max(workload.max_new_tokens))
     try:
         rid = manager.add_request(workload.prompts[0][:8], max_new_tokens=2)
         _collect(manager, {rid})
