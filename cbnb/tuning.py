@@ -35,12 +35,12 @@ def engine_name(engine: Any) -> str:
     return str(getattr(engine, "engine_name", "cbnb"))
 
 
-def workload_info(workload: Any, time_scale: float = 1.0) -> dict[str, Any]:
-    """What the run log stores about a workload."""
+def workload_info(workload: Any, time_scale: float = 1.0, label: str = "") -> dict[str, Any]:
+    """What the run log stores about a workload (`label`: a sweep's name for it, e.g. "load 0.9")."""
     tr = dict(getattr(workload, "traffic", {}) or {})
-    return {"name": workload.name, "requests": workload.num_requests, "prompt_tokens": workload.prompt_tokens,
-            "output_tokens": sum(workload.max_new_tokens), "arrivals": tr.get("arrivals", {"kind": "offline"}),
-            "traffic": tr, "time_scale": time_scale}
+    return {"name": workload.name, "label": label, "requests": workload.num_requests,
+            "prompt_tokens": workload.prompt_tokens, "output_tokens": sum(workload.max_new_tokens),
+            "arrivals": tr.get("arrivals", {"kind": "offline"}), "traffic": tr, "time_scale": time_scale}
 
 
 def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
@@ -55,7 +55,7 @@ def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
 def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: Any = None,
                  timeout: float | None = 3600.0, label: str = "", log: bool | RunLog = True,
                  reset_stats: bool = True, time_scale: float = 1.0, submit_kwargs: dict[str, Any] | None = None,
-                 **extra: Any) -> Run:
+                 workload_label: str = "", **extra: Any) -> Run:
     """Drive `workload` through `engine` at its arrival times and return the `Run` (also appended to the log).
 
     Args:
@@ -66,6 +66,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         log: True: the engine's run log (`run_log(engine)`); a `RunLog`: that one; False: not recorded.
         reset_stats: start a new ``engine.stats()["run"]`` first (the run's KV / offload figures come from it).
         time_scale, submit_kwargs: passed to `Driver`.
+        workload_label: stored with the workload (a sweep's name for it).
         extra: stored on the run (sweep, point, repeat, note).
 
     Raises:
@@ -82,16 +83,19 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     metrics.update(engine_figures(stats.get("run") if isinstance(stats, Mapping) else None))
     config = getattr(engine, "user_config", None) or getattr(engine, "config", None)
     target = log if isinstance(log, RunLog) else (run_log(engine) if log else RunLog(base=config))
-    return target.add("run", engine=engine_name(engine), config=config, workload=workload_info(workload, time_scale),
-                      metrics=metrics, records=records, label=label, **extra)
+    return target.add("run", engine=engine_name(engine), config=config,
+                      workload=workload_info(workload, time_scale, workload_label), metrics=metrics, records=records,
+                      label=label, **extra)
 
 
 def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: float | None = 3600.0) -> dict:
     """The engine's service capacity on `workload`'s requests: all submitted at 0, finished requests per second.
 
     Returns:
-        {"capacity_requests_per_s": median, "runs_requests_per_s": [per run], "output_tokens_per_s": median}.
-        A Poisson rate of ``load * capacity`` loads the engine to about ``load`` (utilisation = rate / capacity).
+        {"capacity_requests_per_s": median, "max_requests_per_s": fastest run, "runs_requests_per_s": [per run],
+        "output_tokens_per_s": median}. A Poisson rate of ``load * capacity`` loads the engine to about ``load``
+        (utilisation = rate / capacity). On a machine shared with other jobs, contention only slows a run down, so
+        the fastest run is the better estimate of the engine's own capacity.
     """
     from .traffic import Offline
     from .workloads import with_arrivals
@@ -105,7 +109,7 @@ def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: f
         run = run_workload(engine, offline, log=False, timeout=timeout)
         rps.append(run.metrics["requests_per_s"])
         tps.append(run.metrics["output_tokens_per_s"])
-    return {"capacity_requests_per_s": spread(rps)[0], "runs_requests_per_s": rps,
+    return {"capacity_requests_per_s": spread(rps)[0], "max_requests_per_s": max(rps), "runs_requests_per_s": rps,
             "output_tokens_per_s": spread(tps)[0]}
 
 
@@ -132,20 +136,44 @@ class SweepResult:
         return pd.DataFrame([{"point": r.point, "repeat": r.repeat, "change": r.change, **r.changes, **r.metrics}
                              for r in self.runs])
 
-    def groups(self) -> list[list[Run]]:
-        """Runs by point, in point order."""
-        by: dict[int, list[Run]] = {}
+    workloads: list[str] = field(default_factory=list)
+
+    def groups(self, workload: str | None = None) -> list[list[Run]]:
+        """Runs by (workload, point), in that order; `workload` keeps one workload's (by its sweep label)."""
+        by: dict[tuple[int, int], list[Run]] = {}
+        names = self.workloads or [""]
         for r in self.runs:
-            by.setdefault(int(r.point or 0), []).append(r)
+            wl = r.workload.get("label", "")
+            if workload is not None and wl != workload:
+                continue
+            by.setdefault((names.index(wl) if wl in names else 0, int(r.point or 0)), []).append(r)
         return [by[k] for k in sorted(by)]
 
-    def summary(self, figures: Iterable[str] | None = None):
-        """One row per point: the point's changes, n, and ``<figure>_median/_min/_max`` (see `RunLog.summary`)."""
-        groups = self.groups()
-        return summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
+    def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
+        """One row per point (and workload): its changes, n, and ``<figure>_median/_min/_max``."""
+        groups = self.groups(workload)
+        df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
+        if self.workloads:
+            df.insert(1, "load", [g[0].workload.get("label", "") for g in groups])
+        return df
 
-    def best(self, figure: str, higher: bool | None = None) -> "Verdict":
-        return best(self, figure, higher=higher)
+    def best(self, figure: str, higher: bool | None = None, workload: str | None = None) -> "Verdict":
+        """`best` over this sweep's points (one workload's, when the sweep ran several)."""
+        if workload is None and len(self.workloads) > 1:
+            raise ValueError(f"this sweep ran {len(self.workloads)} workloads: name one with workload= "
+                             f"({', '.join(self.workloads)})")
+        return best(_Filtered(self, workload), figure, higher=higher)
+
+
+class _Filtered:
+    """One workload's groups of a sweep, for `best`."""
+
+    def __init__(self, result: SweepResult, workload: str | None) -> None:
+        self.points = result.points
+        self._groups = result.groups(workload)
+
+    def groups(self) -> list[list[Run]]:
+        return self._groups
 
 
 def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]], *,
@@ -156,6 +184,8 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
 
     Args:
         engine: an engine with ``reconfigure`` (left on the last point's config).
+        workload: a `Workload`, or {label: Workload} to run several (e.g. two loads) interleaved with the points:
+            every repeat runs every (workload, point) pair once.
         params: a grid {field: values} (every combination) or a list of {field: value} dicts.
         repeats: runs per point (>= 1); 3 or more gives a min-max range to judge noise by.
         base: the config the changes apply to (default: the engine's current user config).
@@ -175,27 +205,31 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     base = base if base is not None else engine.user_config
     log = log or run_log(engine)
     sid = f"sweep-{len(log) + 1}"
+    wls = dict(workload) if isinstance(workload, Mapping) else {"": workload}
     configs = []
     for changes in points:
         full = dict(changes)
         if derive is not None:
             full.update(derive(dict(changes)))
         configs.append((full, base.copy(**full)))
-    result = SweepResult(sid, [c[0] for c in configs], log=log)  # points: the full changes (derived ones too)
-    total = repeats * len(configs)
-    for k, (rep, p) in enumerate(((r, p) for r in range(repeats) for p in range(len(configs)))):
+    # points: the full changes (derived ones too)
+    result = SweepResult(sid, [c[0] for c in configs], log=log, workloads=[k for k in wls if k])
+    order = [(r, w, p) for r in range(repeats) for w in wls for p in range(len(configs))]
+    for k, (rep, wname, p) in enumerate(order):
+        wl = wls[wname]
         full, cfg = configs[p]
         reconfigure(engine, cfg, log=log)
-        if warmup and workload.num_requests and hasattr(engine, "generate"):
-            prompt = workload.prompts[0]
+        if warmup and wl.num_requests and hasattr(engine, "generate"):
+            prompt = wl.prompts[0]
             engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
                             ignore_eos=True)
-        run = run_workload(engine, workload, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                           sweep=sid, point=p, repeat=rep)
+        run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
+                           workload_label=wname, sweep=sid, point=p, repeat=rep)
         result.runs.append(run)
         if progress:
             m = run.metrics
-            print(f"[{k + 1}/{total}] {change_text(full)} (repeat {rep + 1}/{repeats}): "
+            where = f"{wname}: " if wname else ""
+            print(f"[{k + 1}/{len(order)}] {where}{change_text(full)} (repeat {rep + 1}/{repeats}): "
                   f"goodput {m['goodput_requests_per_s']:.2f} req/s, TTFT p99 {_f(m['ttft_s_p99'])} s, "
                   f"TPOT p99 {_f(m['tpot_s_p99'], 3)} s, {m['output_tokens_per_s']:.1f} out tok/s, "
                   f"soft resets {m.get('soft_resets', 0)}")

@@ -133,3 +133,40 @@ def test_reconfigure_helper_records_into_the_log():
     reconfigure(eng, eng.user_config.copy(page_size=32))
     (entry,) = log.runs("reconfigure")
     assert entry.changes == {"page_size": 32} and "page_size=32" in entry.note
+
+
+def test_sweep_over_two_loads_interleaves_workloads_and_points():
+    clock = StepClock()
+    seen = []
+    eng = FakeEngine(clock=clock.now, latency=lambda cfg, i: (0.0, 0.1 * cfg.page_size / 16, 0.01))
+    orig_submit = eng.submit
+
+    def submit(prompt, max_new_tokens=1, **kw):
+        seen.append((len(prompt), eng.user_config.page_size))
+        return orig_submit(prompt, max_new_tokens, **kw)
+
+    eng.submit = submit
+    light = synthetic("t", 1, tr.Poisson(1.0), tr.Fixed(4), tr.Fixed(2), vocab_size=64)
+    heavy = synthetic("t", 1, tr.Poisson(5.0), tr.Fixed(6), tr.Fixed(2), vocab_size=64)
+    orig = run_workload.__globals__["Driver"]
+
+    class VDriver(orig):
+        def __init__(self, *a, **kw):
+            kw["clock"] = clock
+            super().__init__(*a, **kw)
+
+    run_workload.__globals__["Driver"] = VDriver
+    try:
+        res = sweep(eng, {"light": light, "heavy": heavy}, {"page_size": [16, 64]}, repeats=2, progress=False,
+                    warmup=False)
+    finally:
+        run_workload.__globals__["Driver"] = orig
+    # Per repeat: light x (16, 64), then heavy x (16, 64).
+    assert seen == [(4, 16), (4, 64), (6, 16), (6, 64)] * 2
+    assert [r.workload["label"] for r in res.runs[:4]] == ["light", "light", "heavy", "heavy"]
+    s = res.summary(["ttft_s_p50"])
+    assert list(s["load"]) == ["light", "light", "heavy", "heavy"] and list(s["n"]) == [2, 2, 2, 2]
+    assert res.best("ttft_s_p50", workload="heavy").winner == {"page_size": 16}
+    assert len(res.groups("light")) == 2
+    with pytest.raises(ValueError, match="name one with workload="):
+        res.best("ttft_s_p50")
