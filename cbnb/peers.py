@@ -60,20 +60,28 @@ class HFContinuousBatching:
         model: the same transformers model the cbnb engine runs.
         config: the cbnb `ContinuousBatchingConfig` (passed as `config.to_transformers()`).
         max_new_tokens: the generation config's default (each request passes its own too).
+        share_with: a running `cbnb.Engine` on the same model: it is stopped (after finishing its requests) while
+            transformers runs, because a running cbnb engine routes the model's attention through its paged
+            kernels, and restarted by `stop()`.
 
     Attributes:
         engine_name: "hf-cb" (how the run log names this engine).
 
     Prompts must be token ids (transformers' `add_request` takes ids).
+
+    Raises:
+        RuntimeError: at start, when a running cbnb engine holds the model and was not passed as `share_with`.
     """
 
     engine_name = "hf-cb"
 
-    def __init__(self, model: Any, config: Any, *, max_new_tokens: int = 256) -> None:
+    def __init__(self, model: Any, config: Any, *, max_new_tokens: int = 256, share_with: Any = None) -> None:
         self.model = model
         self.user_config = config
         self.config = config
         self._max_new = int(max_new_tokens)
+        self._share = share_with
+        self._restart = False
         self.manager: Any = None
         self._handles: dict[str, _HFHandle] = {}
         self._lock = threading.Lock()
@@ -86,6 +94,13 @@ class HFContinuousBatching:
             return self
         from .bench import hf_cb_manager
 
+        if self._share is not None and getattr(self._share, "running", False):
+            self._share.stop(drain=True)
+            self._restart = True
+        impl = str(getattr(getattr(self.model, "config", None), "_attn_implementation", "") or "")
+        if impl.startswith("cbnb"):
+            raise RuntimeError("a running cbnb engine holds this model (its attention is cbnb's paged attention): "
+                               "pass it as HFContinuousBatching(..., share_with=engine), or engine.stop() first")
         self.manager = hf_cb_manager(self.model, self.config, self._max_new)
         self._stop.clear()
         self._reader = threading.Thread(target=self._read, name="cbnb-hf-reader", daemon=True)
@@ -102,6 +117,9 @@ class HFContinuousBatching:
         self.manager.stop(block=True)
         self.manager = None
         self._fail_open("transformers' manager stopped")
+        if self._restart:
+            self._restart = False
+            self._share.start()
 
     def _fail_open(self, error: str) -> None:
         with self._lock:

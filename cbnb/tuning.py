@@ -159,21 +159,7 @@ class SweepResult:
 
     def best(self, figure: str, higher: bool | None = None, workload: str | None = None) -> "Verdict":
         """`best` over this sweep's points (one workload's, when the sweep ran several)."""
-        if workload is None and len(self.workloads) > 1:
-            raise ValueError(f"this sweep ran {len(self.workloads)} workloads: name one with workload= "
-                             f"({', '.join(self.workloads)})")
-        return best(_Filtered(self, workload), figure, higher=higher)
-
-
-class _Filtered:
-    """One workload's groups of a sweep, for `best`."""
-
-    def __init__(self, result: SweepResult, workload: str | None) -> None:
-        self.points = result.points
-        self._groups = result.groups(workload)
-
-    def groups(self) -> list[list[Run]]:
-        return self._groups
+        return best(self, figure, higher=higher, workload=workload)
 
 
 def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]], *,
@@ -272,18 +258,27 @@ def _rng(m: float | None, lo: float | None, hi: float | None, digits: int) -> st
 
 
 def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *, higher: bool | None = None,
-         digits: int = 3) -> Verdict:
+         digits: int = 3, workload: str | None = None) -> Verdict:
     """Name the point with the best median `figure`, but only when its min-max range overlaps no other point's.
 
     Args:
         result: a `SweepResult`, a `RunLog` (its groups of repeats), or groups of runs.
         figure: a metric name, e.g. "goodput_requests_per_s", "ttft_s_p99".
         higher: whether higher is better (default: from the name, `cbnb.metrics.higher_is_better`).
+        workload: for a sweep over several workloads, the one to judge (its label, e.g. "load 0.9").
 
     Raises:
-        ValueError: fewer than two points, or no point has the figure.
+        ValueError: fewer than two points, no point has the figure, or a multi-workload sweep without `workload`.
     """
-    groups = result.groups() if hasattr(result, "groups") else [list(g) for g in result]
+    if isinstance(result, SweepResult):
+        if workload is None and len(result.workloads) > 1:
+            raise ValueError(f"this sweep ran {len(result.workloads)} workloads: name one with workload= "
+                             f"({', '.join(result.workloads)})")
+        groups = result.groups(workload)
+    elif hasattr(result, "groups"):
+        groups = result.groups()
+    else:
+        groups = [list(g) for g in result]
     points = getattr(result, "points", None)
     up = higher_is_better(figure) if higher is None else bool(higher)
     rows = []

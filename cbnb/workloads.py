@@ -31,7 +31,10 @@ capacity measurement `cbnb.tuning.measure_capacity` makes) with the workload's c
 gave 0.17-2.34 requests/s because the 2 cores were shared with other jobs (load average 6-7); contention only
 lowers a run's rate, so the machine's own capacity is the fastest run, 2.34 requests/s (it also matches the
 arithmetic: ~9,000 prompt tokens at ~700 tok/s plus ~2,100 decode tokens at ~150 tok/s take ~27 s), and the rate is
-0.7 x 2.34 = 1.6 requests/s. The figures are in `CPU_POISSON_CALIBRATION`. On another machine, measure its
+0.7 x 2.34 = 1.6 requests/s. Under heavy contention two torch threads collapse (each OpenMP thread waits for the
+other whenever one loses its core: 0.12-0.17 requests/s, against 0.9-1.4 with one thread in the same minutes), so on
+a shared machine set ``OMP_NUM_THREADS=1`` and measure the capacity where you run (notebook 02 does). The figures are
+in `CPU_POISSON_CALIBRATION`. On another machine, measure its
 capacity and re-time: ``with_arrivals(wl, Poisson(0.7 * measure_capacity(engine, wl)["capacity_requests_per_s"]))``
 (its median; take the max of more repeats on a shared machine).
 """
@@ -59,6 +62,8 @@ CPU_POISSON_CALIBRATION: dict[str, Any] = {
     "runs_requests_per_s": [0.533, 0.506, 2.338, 1.112, 0.166], "median_requests_per_s": 0.533,
     "config": {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 256}, "threads": 2,
     "command": "scripts/calibrate_cpu_poisson.py --repeats 5 --load 0.7", "date": "2026-12-01",
+    # Later the same day, load average 5-9: 2 threads 0.12-0.17 requests/s, 1 thread 0.89-1.36 (--threads 1).
+    "contended_runs": {"threads_2": [0.123, 0.170, 0.144], "threads_1": [1.362, 0.895, 0.934]},
 }
 
 

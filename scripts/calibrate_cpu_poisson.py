@@ -22,8 +22,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import cbnb
     from cbnb.tuning import measure_capacity

@@ -54,3 +54,31 @@ def test_run_log_survives_reconfigure():
     assert log[1].kind == "reconfigure" and log[1].changes["page_size"] == 32
     assert second.changes["page_size"] == 32 and second.changes["max_batch_tokens"] == 64
     assert first.changes == {}
+
+
+def test_transformers_peer_runs_the_same_timed_workload():
+    """transformers' continuous batching behind the engine-like API: the same arrivals, its own timestamps, the
+    same greedy tokens as cbnb, into the same run log; the cbnb engine on the shared model pauses meanwhile."""
+    from cbnb.peers import HFContinuousBatching, compare_outputs
+
+    model = tiny_model(LLAMA)
+    wl = synthetic("t", 5, tr.Poisson(20.0), tr.Uniform(4, 20), tr.Uniform(2, 6), vocab_size=512, seed=5)
+    cfg = config(page_size=16, num_blocks=64, max_batch_tokens=64)
+    eng = cbnb.Engine(model, config=cfg).start()
+    try:
+        ours = run_workload(eng, wl, timeout=TIMEOUT)
+        with pytest.raises(RuntimeError, match="share_with"):
+            HFContinuousBatching(model, cfg).start()
+        with HFContinuousBatching(model, cfg, max_new_tokens=8, share_with=eng) as hf:
+            assert not eng.running
+            theirs = run_workload(hf, wl, log=eng.runs, timeout=TIMEOUT)
+        assert eng.running  # restarted
+        assert eng.generate([[5, 6, 7]], max_new_tokens=2)[0].state.name == "FINISHED"
+    finally:
+        eng.stop()
+    assert theirs.engine == "hf-cb" and eng.runs[-1] is theirs and theirs.metrics["requests_finished"] == 5
+    same = compare_outputs(ours, theirs)
+    assert same["identical"] == 5 and same["agreement_frac"] == 1.0
+    for rec in theirs.records:
+        assert len(rec.token_times_s) == rec.output_tokens and rec.ttft_s > 0 and rec.lateness_s >= 0
+        assert rec.queued_s <= rec.first_token_s <= rec.finished_s + 1e-6

@@ -133,6 +133,8 @@ function render({ model, el }) {
     t.append(h);
     for (const [name, label, up] of model.get("figures") || []) {
       const ta = a.figures[name], tb = b.figures[name];
+      const has = (t) => t && t[0] !== null && t[0] !== undefined;
+      if (!has(ta) && !has(tb)) continue;  // neither run measured it
       const tr = cbnbEl("tr");
       tr.dataset.figure = name;
       let diff = "–";
@@ -182,18 +184,25 @@ function render({ model, el }) {
     let lo = Infinity, hi = -Infinity;
     for (const s of series) for (let i = 0; i < s.x.length; i++) { lo = Math.min(lo, s.lo[i]); hi = Math.max(hi, s.hi[i]); }
     if (lo === hi) { lo -= Math.abs(lo) * 0.1 + 1e-9; hi += Math.abs(hi) * 0.1 + 1e-9; }
-    lo = Math.min(lo, 0) < 0 ? lo : Math.max(0, lo - (hi - lo) * 0.15);
+    lo = lo < 0 ? lo : Math.max(0, lo - (hi - lo) * 0.15);
     hi += (hi - lo) * 0.1;
+    // Round ticks: a step of 1, 2 or 5 x 10^k, about 4 of them.
+    const raw = (hi - lo) / 4;
+    const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+    lo = Math.floor(lo / step) * step;
+    hi = Math.ceil(hi / step) * step;
+    const tickDigits = Math.max(0, -Math.floor(Math.log10(step)));
     const W = 460, H = 230, L = 56, R = 12, T = 14, B = 40;
     const svg = runsSvg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "cbnb-runs-svg" });
     const px = (i) => L + ((i + 0.5) * (W - L - R)) / xs.length;
     const py = (v) => T + (H - T - B) * (1 - (v - lo) / (hi - lo));
     svg.append(runsSvg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "cbnb-runs-axis" }));
     svg.append(runsSvg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "cbnb-runs-axis" }));
-    for (let k = 0; k <= 4; k++) {
-      const v = lo + ((hi - lo) * k) / 4;
+    for (let v = lo; v <= hi + step / 2; v += step) {
       svg.append(runsSvg("line", { x1: L, y1: py(v), x2: W - R, y2: py(v), class: "cbnb-runs-grid" }));
-      svg.append(runsSvg("text", { x: L - 4, y: py(v) + 3, "text-anchor": "end", class: "cbnb-runs-tick" }, runsNum(v)));
+      svg.append(runsSvg("text", { x: L - 4, y: py(v) + 3, "text-anchor": "end", class: "cbnb-runs-tick" },
+        v.toFixed(tickDigits)));
     }
     xs.forEach((x, i) => svg.append(runsSvg("text", { x: px(i), y: H - B + 14, "text-anchor": "middle",
       class: "cbnb-runs-tick cbnb-runs-xtick" }, x)));

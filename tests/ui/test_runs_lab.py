@@ -35,7 +35,7 @@ CELLS = [
     "res = sweep(engine, wl, {'page_size': [16, 32], 'safety_margin': [0.0, 0.2]}, repeats=2, progress=False,\n"
     "            derive=lambda c: {'num_blocks': 1024 // c['page_size']})\n"
     "engine.reconfigure(base)\n"
-    "with HFContinuousBatching(model, base, max_new_tokens=8) as hf:\n"
+    "with HFContinuousBatching(model, base, max_new_tokens=8, share_with=engine) as hf:\n"
     "    ab = run_workload(hf, wl, log=engine.runs, label='transformers')\n"
     "print(len(engine.runs), 'log entries')",
     "dash = Dashboard(engine)\ndash",
