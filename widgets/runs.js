@@ -141,10 +141,15 @@ function render({ model, el }) {
       let cls = "";
       if (ta && tb && ta[0] !== null && tb[0] !== null) {
         const d = tb[0] - ta[0];
-        diff = (d > 0 ? "+" : "") + runsNum(d);
+        const digits = runsDigits(Math.max(Math.abs(ta[0]), Math.abs(tb[0])));
         const overlap = ta[1] <= tb[2] && tb[1] <= ta[2];
-        cls = overlap ? "cbnb-runs-overlap" : ((d > 0) === up ? "cbnb-runs-better" : "cbnb-runs-worse");
-        if (overlap) diff += " (ranges overlap)";
+        if (Math.abs(d) < 0.5 * Math.pow(10, -digits)) {  // equal at the shown precision
+          diff = "≈ 0";
+          cls = "cbnb-runs-overlap";
+        } else {
+          diff = (d > 0 ? "+" : "") + runsNum(d, digits) + (overlap ? " (ranges overlap)" : "");
+          cls = overlap ? "cbnb-runs-overlap" : ((d > 0) === up ? "cbnb-runs-better" : "cbnb-runs-worse");
+        }
       }
       tr.append(cbnbEl("td", null, label), cbnbEl("td", null, runsSpread(ta, a.n)),
         cbnbEl("td", null, runsSpread(tb, b.n)), cbnbEl("td", `cbnb-runs-diff ${cls}`, diff));
@@ -175,8 +180,9 @@ function render({ model, el }) {
     chart.replaceChildren();
     const xs = [];
     for (const s of series) for (const x of s.x) if (!xs.includes(x)) xs.push(x);
-    const num = xs.every((x) => !Number.isNaN(Number(x)));
-    if (num) xs.sort((p, q) => Number(p) - Number(q));
+    // Numbers in numeric order, then the other values (e.g. "None": a field left to its default).
+    const isNum = (x) => x !== "" && !Number.isNaN(Number(x));
+    xs.sort((p, q) => (isNum(p) && isNum(q) ? Number(p) - Number(q) : isNum(p) ? -1 : isNum(q) ? 1 : p < q ? -1 : 1));
     if (!xs.length) {
       chart.append(cbnbEl("div", "cbnb-empty", "No run has this figure yet."));
       return;

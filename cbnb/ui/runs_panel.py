@@ -57,13 +57,20 @@ def _sort_key(v: Any) -> tuple:
     return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
 
 
+def _x_text(v: Any) -> str:
+    if v is None:
+        return "None"  # the field left to its default (e.g. safety_margin: the scheduler's)
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def chart_data(rows: list[dict[str, Any]], figure: str, field: str) -> dict[str, Any]:
-    """Points of `figure` against the config field `field`, one series per engine + workload.
+    """Points of `figure` against the config field `field`, one series per engine + workload + other changes.
 
     Returns:
         {"figure", "field", "label", "higher_is_better", "series": [{"name", "x": [str], "median", "lo", "hi",
         "n"}]}; x values are the field's values as text, sorted numerically when they are numbers. A group's x is
-        its value of `field` in its full config (so the base config is a point too).
+        its value of `field` in its full config (so the base config is a point too); "None" for a field left to its
+        default.
     """
     series: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -71,13 +78,15 @@ def chart_data(rows: list[dict[str, Any]], figure: str, field: str) -> dict[str,
         if med is None:
             continue
         xv = r["changes"].get(field, r["config"].get(field))
-        name = f"{r['engine']} · {r['workload']} · {r['arrivals']}"
+        # One series per engine, workload and the *other* config changes, so each x holds one group.
+        others = {k: v for k, v in r["changes"].items() if k != field}
+        name = f"{r['engine']} · {r['workload']} · {r['arrivals']}" + (f" · {change_text(others)}" if others else "")
         s = series.setdefault(name, {"name": name, "points": []})
         s["points"].append((xv, med, lo, hi, r["n"]))
     out = []
     for s in series.values():
         pts = sorted(s["points"], key=lambda p: _sort_key(p[0]))
-        out.append({"name": s["name"], "x": [json.dumps(p[0]) if not isinstance(p[0], str) else p[0] for p in pts],
+        out.append({"name": s["name"], "x": [_x_text(p[0]) for p in pts],
                     "median": [p[1] for p in pts], "lo": [p[2] for p in pts], "hi": [p[3] for p in pts],
                     "n": [p[4] for p in pts]})
     return {"figure": figure, "field": field, "label": FIGURE_LABELS.get(figure, figure),
