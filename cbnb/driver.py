@@ -6,19 +6,36 @@
     records = Driver(engine, workload).run()           # blocks until every request is terminal
     d = Driver(engine, workload).start(); ...; d.wait()  # or in the background (the notebook stays free)
 
-It works with any engine-like object that has ``submit(prompt, max_new_tokens=..., ignore_eos=True) -> handle``,
-where ``handle.result(timeout)`` returns a `RequestOutput`-like object (``token_ids``, ``state``, ``timings``,
-optionally ``token_times``), and optionally ``cancel``. `cbnb.Engine`, `cbnb.peers.HFContinuousBatching` and the
-simulator's ``SimEngine`` all qualify.
+The engine protocol: what the driver reads from an engine-like object (`cbnb.Engine` and
+`cbnb.peers.HFContinuousBatching` implement it; so must the simulator's engine). Nothing else is touched.
+
+- ``engine.submit(prompt, max_new_tokens=n, **submit_kwargs) -> handle``: one call per request, at its arrival
+  time, in arrival order; `prompt` is the workload's prompt as stored (token ids or text), `submit_kwargs` default
+  to ``{"ignore_eos": True}``. Called on the driver's thread (wall clock) or the caller's (virtual clock). An
+  exception refuses that request only (recorded FAILED with the message).
+- ``handle.result(timeout)``: the final output; `timeout` in wall seconds or None; raising ``TimeoutError`` makes
+  the driver cancel what is left. It is called only once every request was submitted (and, on a virtual clock,
+  after ``clock.drain()``), so by then it may simply return.
+- optional on the handle: ``request_id`` (str), ``done() -> bool``, ``cancel()`` (used on timeout).
+- the output: ``token_ids`` (list of int) and ``state`` (an enum member whose ``.name``, or a str, is one of
+  "FINISHED", "FAILED", "CANCELLED"); optional: ``error`` (str), ``timings`` with ``queued``, ``scheduled``,
+  ``first_token``, ``finished`` (seconds on the driver's clock, or None), ``token_times`` (one time per token, same
+  clock; ignored unless there is one per token), ``prefix_cached_tokens``, ``num_offloads``, ``num_soft_resets``,
+  ``prompt_token_ids``.
+
+The engine's times must be on the driver's clock: ``time.perf_counter()`` with the default `WallClock`, the
+simulator's virtual seconds with its clock. What `cbnb.tuning` needs besides this is listed in that module's doc.
 
 Clocks. The driver reads time from a clock (``now()``, ``sleep_until(t)``):
 
 - `WallClock` (default): ``time.perf_counter()``, the real engine's timebase. The driver submits from its own thread
   (``cbnb-driver``) and never before a request's arrival time: it sleeps until the clock reads at least
   ``t0 + arrival_s`` and only then submits, so lateness (submitted - scheduled) is never negative.
-- a virtual clock (``threaded = False``): the driver runs in the caller's thread; ``sleep_until(t)`` lets the
-  simulator advance virtual time to ``t``, and ``drain()`` (called after the last submission) runs it until every
-  request is terminal. The engine's timings and token times must be on the same clock.
+- a virtual clock (``threaded = False``): the driver runs in the caller's thread, in this order: ``t0 = now()``;
+  then per request, in arrival order, ``sleep_until(t0 + arrival_s)`` (the simulator advances virtual time to
+  that instant, running every step due before it), ``now()`` (the submit time recorded), ``engine.submit(...)``;
+  after the last one, ``drain()`` (run until every submitted request is terminal); then ``handle.result`` for
+  each. ``sleep_until`` must never return with ``now()`` below its target.
 
 Per-request figures (`RequestRecord`, seconds, relative to the run's start ``t0``):
 

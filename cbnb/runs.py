@@ -2,12 +2,13 @@
 
 ::
 
-    log = run_log(engine)              # engine.runs: attached on first use, survives reconfigure
+    log = run_log(engine)              # engine.runs (a cbnb.Engine makes it in its constructor; another
+                                       # engine-like object gets one on first use); survives reconfigure
     log.to_frame()                     # one row per entry (pandas)
     log.summary()                      # one row per (engine, workload, config change): median, min, max
     log.to_json(); RunLog.from_json(text)
     run_log(engine, path="runs.jsonl") # persist: every entry is appended as a JSON line; a restarted notebook
-                                       # that opens the same file keeps its history
+                                       # that opens the same file keeps its history (or: Engine(..., runs=path))
 
 Entries (`Run`) hold: an id, the kind ("run" or "reconfigure"), the engine that ran it ("cbnb", "hf-cb", ...), the
 full config (transformers field names), its change against the log's base config (what the Runs panel shows), the
@@ -114,6 +115,11 @@ class RunLog:
         base: the config that `changes` are measured against (default: the first config recorded).
         path: a file to append every entry to (created if missing; existing entries are loaded first).
 
+    The file: a first line ``{"base": {...}}`` (the base config, written when the file is created), then one JSON
+    object per entry (`Run.to_dict`). A file that has a base line keeps it: reopened with another `base`, its
+    entries and the new ones are still measured against the one config it started with. (A file without that
+    line takes `base`, or its first entry's config.)
+
     Raises:
         ValueError: `path` holds a line that is not a run entry (the message names the line).
     """
@@ -134,6 +140,9 @@ class RunLog:
                     continue
                 try:
                     d = json.loads(line)
+                    if isinstance(d, dict) and set(d) == {"base"} and isinstance(d["base"], dict):
+                        self.base = d["base"]
+                        continue
                     run = Run.from_dict(d)
                 except (json.JSONDecodeError, TypeError, KeyError) as e:
                     raise ValueError(f"{path}, line {i}: not a run-log entry ({e})") from None
@@ -159,14 +168,19 @@ class RunLog:
             self._runs.append(run)
             self.version += 1
             if self.path:
+                fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
                 with open(self.path, "a", encoding="utf-8") as f:
+                    if fresh:
+                        f.write(json.dumps({"base": self.base}) + "\n")
                     f.write(json.dumps(run.to_dict()) + "\n")
         return run
 
     def record_reconfigure(self, old: Any, new: Any, *, engine: str = "cbnb", note: str = "") -> Run:
-        """Record that the engine switched from config `old` to `new`."""
+        """Record that the engine switched from config `old` to `new` (`note`: by default what changed, or
+        "same config (fresh cache)")."""
         delta = _changes(config_dict(new), config_dict(old))
-        return self.add("reconfigure", engine=engine, config=new, note=note or change_text(delta))
+        return self.add("reconfigure", engine=engine, config=new,
+                        note=note or (change_text(delta) if delta else "same config (fresh cache)"))
 
     # ------------------------------------------------------------------------------------------ reading
     def __len__(self) -> int:
@@ -236,8 +250,10 @@ class RunLog:
         return log
 
     def save(self, path: str | os.PathLike, include_records: bool = False) -> None:
-        """Write the log as JSON lines (the format `RunLog(path=...)` loads)."""
+        """Write the log as JSON lines (the format `RunLog(path=...)` loads: the base line, then the entries)."""
         with open(path, "w", encoding="utf-8") as f:
+            if self.base is not None:
+                f.write(json.dumps({"base": self.base}) + "\n")
             for r in self._runs:
                 f.write(json.dumps(r.to_dict(include_records)) + "\n")
 
@@ -279,14 +295,18 @@ def spread(values: Iterable[Any]) -> tuple[float | None, float | None, float | N
 
 
 def run_log(engine: Any, path: str | os.PathLike | None = None) -> RunLog:
-    """The engine's run log (``engine.runs``), created on first use with the engine's config as the base.
+    """The engine's run log (``engine.runs``). `cbnb.Engine` creates it in its constructor (``Engine(...,
+    runs="runs.jsonl")`` persists it from the start); for another engine-like object it is created here on first
+    use, with the engine's config as the base, and set as its ``runs`` attribute.
 
-    With `path`, the log is (re)attached to that file: its entries are loaded and every new one is appended.
+    With `path`, the log is (re)attached to that file: its entries are loaded and every new one is appended; when
+    the file is new or empty, this session's entries so far are copied into it first.
     The log is an attribute of the engine object, so `reconfigure` (which rebuilds the cache and scheduler) keeps it.
     """
     log = getattr(engine, "runs", None)
     if not isinstance(log, RunLog) or (path is not None and log.path != os.fspath(path)):
-        base = getattr(engine, "user_config", None) or getattr(engine, "config", None)
+        base = log.base if isinstance(log, RunLog) and log.base is not None else (
+            getattr(engine, "user_config", None) or getattr(engine, "config", None))
         new = RunLog(base=base, path=path)
         if isinstance(log, RunLog) and len(log) and not len(new):
             for r in log:  # keep this session's history in the new file

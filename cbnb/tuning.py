@@ -13,7 +13,35 @@ Noise. On a shared machine one run can swing by a factor of 3, so a sweep repeat
 points round-robin (a noisy minute hits every config alike), and `best` names a winner only when the best point's
 min-max range over its repeats overlaps no other point's range; otherwise it says "tie within noise" and gives the
 numbers. Every run starts on a fresh cache (the engine is reconfigured before each run), so a repeat never hits the
-previous repeat's prefix cache. Works with any engine-like object (`cbnb.driver`); torch-free.
+previous repeat's prefix cache. Torch-free.
+
+The engine protocol. Besides what `cbnb.driver` needs (``submit`` and its handles and outputs), the helpers here
+use, when the engine has them:
+
+=========================  =============================================================================================
+``start()``                called first by `run_workload` (a no-op when running)
+``reset_stats()``          called before each run, so ``stats()["run"]`` covers that run only
+``stats()``                ``{"run": {...}}``: the keys of `cbnb.metrics.engine_figures` found there (``steps``,
+                           ``mean_kv_usage_blocks_frac``, ``mean_kv_usage_tokens_frac``, ``swaps``, ``soft_resets``,
+                           ``recomputed_tokens``, ...) are copied into the run's metrics; others are ignored
+``user_config``            the config recorded with each run (else ``config``; neither: an empty config); a
+                           `ContinuousBatchingConfig` or a mapping of its fields. `sweep` needs it (or ``base=``)
+                           to be a `ContinuousBatchingConfig` (``copy(**changes)``)
+``reconfigure(config)``    required by `sweep` (called before every run, also with the same config: a fresh cache);
+                           `measure_capacity` calls it between repeats when present
+``records_reconfigures``   True: ``reconfigure`` writes its own "reconfigure" entry into ``engine.runs``
+                           (`cbnb.Engine` does); otherwise `reconfigure` here writes it
+``runs``                   the engine's `RunLog`; an object without one gets it set as an attribute on first use
+                           (`cbnb.runs.run_log`)
+``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb")
+``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
+                           `cbnb.driver`); absent: the wall clock
+``generate(prompts,        the warm-up of `sweep` (one 2-token request on each fresh cache); skipped when absent
+max_new_tokens, ignore_eos)``
+=========================  =============================================================================================
+
+`best` and `cbnb.metrics.summarize` read only runs and records, never the engine. `tests/test_tuning_protocol.py`
+drives every helper through an engine-like object that has nothing more than this protocol.
 """
 
 from __future__ import annotations
@@ -44,11 +72,17 @@ def workload_info(workload: Any, time_scale: float = 1.0, label: str = "") -> di
 
 
 def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
-    """`engine.reconfigure(config)`, recorded in the run log (unless the engine records reconfigures itself)."""
+    """`engine.reconfigure(config)`, with a "reconfigure" entry in `log` (default: the engine's run log).
+
+    An engine with ``records_reconfigures = True`` (`cbnb.Engine`) writes that entry into ``engine.runs`` itself;
+    this writes one only for other engine-like objects, or when `log` is another log than ``engine.runs``.
+    """
     old = getattr(engine, "user_config", None)
     resolved = engine.reconfigure(config)
-    if not getattr(engine, "records_reconfigures", False):
-        (log or run_log(engine)).record_reconfigure(old, config, engine=engine_name(engine))
+    own = getattr(engine, "runs", None) if getattr(engine, "records_reconfigures", False) else None
+    target = log if log is not None else run_log(engine)
+    if target is not own:
+        target.record_reconfigure(old, config, engine=engine_name(engine))
     return resolved
 
 
@@ -60,7 +94,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
 
     Args:
         slo: the goodput objective (default `SLO()`).
-        clock: the driver's clock (default: wall clock).
+        clock: the driver's clock (default: the engine's ``driver_clock`` when it has one, else the wall clock).
         timeout: wall seconds for the whole run (unfinished requests are cancelled, then TimeoutError).
         label: a free-form label stored with the run.
         log: True: the engine's run log (`run_log(engine)`); a `RunLog`: that one; False: not recorded.
@@ -76,7 +110,8 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         engine.start()
     if reset_stats and hasattr(engine, "reset_stats"):
         engine.reset_stats()
-    driver = Driver(engine, workload, clock=clock, time_scale=time_scale, submit_kwargs=submit_kwargs)
+    driver = Driver(engine, workload, clock=clock if clock is not None else getattr(engine, "driver_clock", None),
+                    time_scale=time_scale, submit_kwargs=submit_kwargs)
     records = driver.run(timeout)
     metrics = summarize(records, slo=slo, duration_s=driver.duration_s)
     stats = engine.stats() if hasattr(engine, "stats") else None
@@ -88,8 +123,10 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
                       label=label, **extra)
 
 
-def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: float | None = 3600.0) -> dict:
-    """The engine's service capacity on `workload`'s requests: all submitted at 0, finished requests per second.
+def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: float | None = 3600.0,
+                     clock: Any = None) -> dict:
+    """The engine's service capacity on `workload`'s requests: all submitted at 0, finished requests per second
+    (`clock`: as `run_workload`'s).
 
     Returns:
         {"capacity_requests_per_s": median, "max_requests_per_s": fastest run, "runs_requests_per_s": [per run],
@@ -105,8 +142,8 @@ def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: f
     for _ in range(repeats):
         cfg = getattr(engine, "user_config", None)
         if cfg is not None and hasattr(engine, "reconfigure"):
-            engine.reconfigure(cfg)  # a fresh cache: no prefix hits from the previous repeat
-        run = run_workload(engine, offline, log=False, timeout=timeout)
+            reconfigure(engine, cfg)  # a fresh cache: no prefix hits from the previous repeat
+        run = run_workload(engine, offline, log=False, timeout=timeout, clock=clock)
         rps.append(run.metrics["requests_per_s"])
         tps.append(run.metrics["output_tokens_per_s"])
     return {"capacity_requests_per_s": spread(rps)[0], "max_requests_per_s": max(rps), "runs_requests_per_s": rps,
@@ -165,7 +202,7 @@ class SweepResult:
 def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]], *,
           repeats: int = 3, base: Any = None, derive: Callable[[dict], Mapping[str, Any]] | None = None,
           slo: SLO | None = None, warmup: bool = True, progress: bool = True, timeout: float | None = 3600.0,
-          log: RunLog | None = None) -> SweepResult:
+          log: RunLog | None = None, clock: Any = None) -> SweepResult:
     """Run `workload` at every config point, `repeats` times, interleaved round-robin (p1, p2, ..., p1, p2, ...).
 
     Args:
@@ -179,6 +216,9 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         slo: the goodput objective for every run.
         warmup: one short request on each fresh cache before its run (not recorded).
         progress: print one line per run.
+        timeout: wall seconds for each run (`run_workload`).
+        log: the run log to record into (default: the engine's, `run_log(engine)`).
+        clock: the driver's clock for every run (default: as `run_workload`).
 
     Raises:
         ValueError: repeats < 1 or no points.
@@ -189,7 +229,7 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     if not points:
         raise ValueError("params gives no config point")
     base = base if base is not None else engine.user_config
-    log = log or run_log(engine)
+    log = log if log is not None else run_log(engine)  # (an empty RunLog is falsy)
     sid = f"sweep-{len(log) + 1}"
     wls = dict(workload) if isinstance(workload, Mapping) else {"": workload}
     configs = []
@@ -210,7 +250,7 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
             engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
                             ignore_eos=True)
         run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                           workload_label=wname, sweep=sid, point=p, repeat=rep)
+                           workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock)
         result.runs.append(run)
         if progress:
             m = run.metrics

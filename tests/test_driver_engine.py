@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import cbnb
+import cbnb.runs
 from cbnb import traffic as tr
 from cbnb.runs import run_log
 from cbnb.tuning import reconfigure, run_workload
@@ -39,21 +40,35 @@ def test_timed_run_matches_generate_and_records_engine_times():
     assert run.metrics["itl_s_p50"] > 0 and "mean_kv_usage_blocks_frac" in run.metrics
 
 
-def test_run_log_survives_reconfigure():
+def test_run_log_survives_reconfigure_and_the_engine_records_every_reconfigure(tmp_path):
     model = tiny_model(LLAMA)
     wl = synthetic("t", 3, tr.Offline(), tr.Fixed(8), tr.Fixed(2), vocab_size=512)
-    eng = cbnb.Engine(model, config=config(page_size=16))
+    path = tmp_path / "runs.jsonl"
+    eng = cbnb.Engine(model, config=config(page_size=16), runs=path)
+    log = eng.runs  # made by the constructor, persisted to `path`
+    assert run_log(eng) is log and log.path == str(path) and len(log) == 0
     with eng:
-        log = run_log(eng)
         first = run_workload(eng, wl, timeout=TIMEOUT)
-        reconfigure(eng, eng.user_config.copy(page_size=32, num_blocks=32))
-        eng.reconfigure(eng.user_config.copy(max_batch_tokens=64))  # a plain reconfigure keeps the log too
+        reconfigure(eng, eng.user_config.copy(page_size=32, num_blocks=32))  # the engine writes the entry
+        eng.reconfigure(eng.user_config.copy(max_batch_tokens=64))  # a plain reconfigure is recorded too
+        eng.reconfigure(eng.user_config)  # the same config again: a fresh cache, recorded as such
+        with pytest.raises(MemoryError):
+            eng.reconfigure(eng.user_config.copy(num_blocks=10**12))  # refused: nothing recorded
+        eng.reset_stats()  # a new stats window, not an entry
         second = run_workload(eng, wl, timeout=TIMEOUT)
-    assert eng.runs is log and [r.id for r in log] == [1, 2, 3]
-    assert log[0] is first and log[2] is second
-    assert log[1].kind == "reconfigure" and log[1].changes["page_size"] == 32
-    assert second.changes["page_size"] == 32 and second.changes["max_batch_tokens"] == 64
-    assert first.changes == {}
+    assert eng.runs is log and [r.kind for r in log] == ["run", "reconfigure", "reconfigure", "reconfigure", "run"]
+    assert log[0] is first and log[-1] is second and first.changes == {}
+    assert log[1].changes == {"page_size": 32, "num_blocks": 32} and log[1].note == "num_blocks=32, page_size=32"
+    assert log[2].note == "max_batch_tokens=64" and log[3].note == "same config (fresh cache)"
+    assert second.changes == {"page_size": 32, "num_blocks": 32, "max_batch_tokens": 64}
+    # A restarted notebook: a new engine on the same file has the history and appends after it.
+    again = cbnb.Engine(model, config=config(page_size=16), runs=path)
+    assert [r.kind for r in again.runs] == [r.kind for r in log] and again.runs.get(5).metrics == second.metrics
+    again.reconfigure(again.user_config.copy(page_size=32))
+    assert [r.id for r in cbnb.runs.RunLog(path=path)] == [1, 2, 3, 4, 5, 6]
+    # Or share one log between engines.
+    shared = cbnb.Engine(model, config=config(page_size=16), runs=log)
+    assert shared.runs is log
 
 
 def test_transformers_peer_runs_the_same_timed_workload():

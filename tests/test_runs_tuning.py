@@ -39,6 +39,13 @@ def test_run_log_records_changes_and_round_trips(tmp_path):
     assert len(reopened) == 3 and reopened.get(2).changes == b.changes
     assert reopened.add("run", config=base, workload={"name": "w"}).id == 4
     assert len(RunLog(path=tmp_path / "runs.jsonl")) == 4
+    # The file keeps its base: reopened with another one, changes are still measured against page_size=16.
+    other = RunLog(base=base.copy(page_size=64), path=tmp_path / "runs.jsonl")
+    assert other.base["page_size"] == 16 and other.add("run", config=base.copy(page_size=64)).changes == {
+        "page_size": 64}
+    saved = tmp_path / "saved.jsonl"
+    log.save(saved)
+    assert RunLog(path=saved).base == log.base and len(RunLog(path=saved)) == 3
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "kind": "run"}\nnot json\n')
     with pytest.raises(ValueError, match="line 1"):
         RunLog(path=tmp_path / "bad.jsonl")
@@ -67,19 +74,8 @@ def test_sweep_interleaves_points_round_robin_and_summarises_spread():
         return 0.0, 0.1 * cfg.page_size / 16, 0.01
 
     eng = FakeEngine(clock=clock.now, latency=latency)
-    orig = run_workload.__globals__["Driver"]
-
-    class VDriver(orig):  # the sweep's runs on the virtual clock
-        def __init__(self, *a, **kw):
-            kw["clock"] = clock
-            super().__init__(*a, **kw)
-
-    run_workload.__globals__["Driver"] = VDriver
-    try:
-        res = sweep(eng, _wl(n=2), {"page_size": [16, 32, 64]}, repeats=3, progress=False,
-                    derive=lambda c: {"num_blocks": 1024 // c["page_size"]})
-    finally:
-        run_workload.__globals__["Driver"] = orig
+    res = sweep(eng, _wl(n=2), {"page_size": [16, 32, 64]}, repeats=3, progress=False, clock=clock,
+                derive=lambda c: {"num_blocks": 1024 // c["page_size"]})
     # Round robin: 16, 32, 64, 16, 32, 64, ... (two requests per run).
     assert seen == [p for _ in range(3) for p in (16, 16, 32, 32, 64, 64)]
     assert [(r.point, r.repeat) for r in res.runs] == [(p, k) for k in range(3) for p in range(3)]
@@ -148,19 +144,8 @@ def test_sweep_over_two_loads_interleaves_workloads_and_points():
     eng.submit = submit
     light = synthetic("t", 1, tr.Poisson(1.0), tr.Fixed(4), tr.Fixed(2), vocab_size=64)
     heavy = synthetic("t", 1, tr.Poisson(5.0), tr.Fixed(6), tr.Fixed(2), vocab_size=64)
-    orig = run_workload.__globals__["Driver"]
-
-    class VDriver(orig):
-        def __init__(self, *a, **kw):
-            kw["clock"] = clock
-            super().__init__(*a, **kw)
-
-    run_workload.__globals__["Driver"] = VDriver
-    try:
-        res = sweep(eng, {"light": light, "heavy": heavy}, {"page_size": [16, 64]}, repeats=2, progress=False,
-                    warmup=False)
-    finally:
-        run_workload.__globals__["Driver"] = orig
+    res = sweep(eng, {"light": light, "heavy": heavy}, {"page_size": [16, 64]}, repeats=2, progress=False,
+                warmup=False, clock=clock)
     # Per repeat: light x (16, 64), then heavy x (16, 64).
     assert seen == [(4, 16), (4, 64), (6, 16), (6, 64)] * 2
     assert [r.workload["label"] for r in res.runs[:4]] == ["light", "light", "heavy", "heavy"]
