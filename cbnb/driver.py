@@ -126,23 +126,13 @@ class RequestRecord:
     def lateness_s(self) -> float | None:
         return None if self.submitted_s is None else self.submitted_s - self.arrival_s
 
-    def _start(self) -> float | None:
-        return self.queued_s if self.queued_s is not None else self.submitted_s
+    def _since_queued(self, t: float | None) -> float | None:
+        s = self.queued_s if self.queued_s is not None else self.submitted_s
+        return None if s is None or t is None else t - s
 
-    @property
-    def ttft_s(self) -> float | None:
-        s = self._start()
-        return None if s is None or self.first_token_s is None else self.first_token_s - s
-
-    @property
-    def e2e_s(self) -> float | None:
-        s = self._start()
-        return None if s is None or self.finished_s is None else self.finished_s - s
-
-    @property
-    def queue_s(self) -> float | None:
-        s = self._start()
-        return None if s is None or self.scheduled_s is None else self.scheduled_s - s
+    ttft_s = property(lambda self: self._since_queued(self.first_token_s), doc="queued -> first token (s).")
+    e2e_s = property(lambda self: self._since_queued(self.finished_s), doc="queued -> terminal (s).")
+    queue_s = property(lambda self: self._since_queued(self.scheduled_s), doc="queued -> first scheduled (s).")
 
     @property
     def tpot_s(self) -> float | None:

@@ -6,7 +6,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["MappingRow", "Export", "mapping_table", "changed_fields"]
+__all__ = ["MappingRow", "Export", "mapping_table", "changed_fields", "NO_SERVING_EQUIVALENT"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,21 @@ class Export:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    def add(self, flag: str, value: Any) -> None:
+        """Append ``flag value`` when `value` is not None (floats without trailing zeros: 0.9, not 0.900000)."""
+        if value is not None:
+            self.flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+
+    def report_unmapped(self, config: Any, handled: Iterable[str], mapping: Iterable[MappingRow],
+                        default: str) -> None:
+        """Add every field of `config` set away from transformers' defaults and not in `handled` to `unmapped`,
+        with its `mapping` row's note (or `default`)."""
+        handled = set(handled)
+        notes = {r.field: r.note for r in mapping}
+        for name, value in changed_fields(config).items():
+            if name not in handled:
+                self.unmapped.append((name, value, notes.get(name) or default))
+
     @property
     def command(self) -> str:
         """The shell command line (arguments quoted)."""
@@ -73,6 +88,14 @@ class Export:
 
     def __str__(self) -> str:
         return self.report()
+
+
+#: "none" rows shared by the serving engines: transformers' fields that none of them has (processor handling,
+#: tensor parallelism, deprecated options).
+NO_SERVING_EQUIVALENT: tuple[MappingRow, ...] = tuple(MappingRow(k, "", "none", v) for k, v in {
+    "drop_unsupported_processors": "", "disable_nccl_graph_mixing": "", "cpu_group_timeout": "",
+    "use_default_compile_configs": "deprecated in transformers", "max_cached_graphs": "deprecated in transformers",
+}.items())
 
 
 def mapping_table(rows: Iterable[MappingRow]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Export, MappingRow, changed_fields
+from .common import NO_SERVING_EQUIVALENT, Export, MappingRow
 
 __all__ = ["to_sglang", "MAPPING", "CHECKED_AGAINST"]
 
@@ -57,11 +57,7 @@ MAPPING: tuple[MappingRow, ...] = (
     MappingRow("auto_switch_to_flash", "", "none", "see --attention-backend"),
     MappingRow("cpu_offload_space_safety_threshold", "", "none", ""),
     MappingRow("per_request_processors", "", "none", ""),
-    MappingRow("drop_unsupported_processors", "", "none", ""),
-    MappingRow("disable_nccl_graph_mixing", "", "none", ""),
-    MappingRow("cpu_group_timeout", "", "none", ""),
-    MappingRow("use_default_compile_configs", "", "none", "deprecated in transformers"),
-    MappingRow("max_cached_graphs", "", "none", "deprecated in transformers"),
+    *NO_SERVING_EQUIVALENT,
     MappingRow("block_size", "--page-size", "same", "deprecated alias of page_size"),
 )
 
@@ -71,16 +67,13 @@ def to_sglang(config: Any, model: str = "MODEL") -> Export:
     ex = Export("sglang", CHECKED_AGAINST, "python -m sglang.launch_server --model-path", model)
     f = ex.flags
     f += ["--page-size", str(config.page_size)]
-    if config.num_blocks is not None:
-        f += ["--max-total-tokens", str(config.num_blocks * config.page_size)]
+    ex.add("--max-total-tokens", None if config.num_blocks is None else config.num_blocks * config.page_size)
+    ex.add("--mem-fraction-static", config.max_memory_percent)
     if config.max_memory_percent is not None:
-        f += ["--mem-fraction-static", f"{config.max_memory_percent:g}"]
         ex.notes.append("--mem-fraction-static covers weights + KV pool; max_memory_percent was a share of free "
                         "memory for KV + activations: check the pool size SGLang logs at start")
-    if config.max_batch_tokens is not None:
-        f += ["--chunked-prefill-size", str(config.max_batch_tokens)]
-    if config.max_requests_per_batch is not None:
-        f += ["--max-running-requests", str(config.max_requests_per_batch)]
+    ex.add("--chunked-prefill-size", config.max_batch_tokens)
+    ex.add("--max-running-requests", config.max_requests_per_batch)
     if not config.allow_block_sharing:
         f.append("--disable-radix-cache")
     elif config.prefix_eviction == "lru":
@@ -99,8 +92,7 @@ def to_sglang(config: Any, model: str = "MODEL") -> Export:
         ex.unmapped.append(("use_cuda_graph", g, "SGLang cannot turn off one of the two graph paths alone"))
     if config.use_async_batching is False:
         f.append("--disable-overlap-schedule")
-    if config.seed is not None:
-        f += ["--random-seed", str(config.seed)]
+    ex.add("--random-seed", config.seed)
     if config.max_queue_size:
         f += ["--max-queued-requests", str(config.max_queue_size)]
     if config.safety_margin is not None:
@@ -112,8 +104,5 @@ def to_sglang(config: Any, model: str = "MODEL") -> Export:
     handled = {"page_size", "num_blocks", "max_memory_percent", "max_batch_tokens", "max_requests_per_batch",
                "allow_block_sharing", "prefix_eviction", "scheduler_type", "use_cuda_graph", "use_async_batching",
                "seed", "max_queue_size", "safety_margin", "cpu_offload_space", "block_size"}
-    notes = {r.field: r.note for r in MAPPING}
-    for name, value in changed_fields(config).items():
-        if name not in handled:
-            ex.unmapped.append((name, value, notes.get(name) or "no SGLang equivalent"))
+    ex.report_unmapped(config, handled, MAPPING, "no SGLang equivalent")
     return ex

@@ -47,8 +47,8 @@ def to_transformers_serve(config: Any, model: str = "MODEL") -> Export:
     ex = Export("transformers-serve", CHECKED_AGAINST, "transformers serve", model, ["--continuous-batching"])
     for name, flag in _FLAGS.items():
         v = getattr(config, name)
-        if v is not None and not (name == "page_size" and v == 256):  # 256 is transformers' own default
-            ex.flags += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+        if not (name == "page_size" and v == 256):  # 256 is transformers' own default
+            ex.add(flag, v)
     g = config.use_cuda_graph
     if isinstance(g, bool):
         ex.flags.append("--cb-use-cuda-graph" if g else "--no-cb-use-cuda-graph")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Export, MappingRow, changed_fields
+from .common import NO_SERVING_EQUIVALENT, Export, MappingRow
 
 __all__ = ["to_vllm", "MAPPING", "CHECKED_AGAINST", "BLOCK_SIZES"]
 
@@ -53,11 +53,7 @@ MAPPING: tuple[MappingRow, ...] = (
     MappingRow("auto_switch_to_flash", "", "none", "vLLM picks its attention backend itself"),
     MappingRow("cpu_offload_space_safety_threshold", "", "none", "vLLM warns above 40 % and refuses above 70 % of RAM"),
     MappingRow("per_request_processors", "", "none", "vLLM applies logits processors per request"),
-    MappingRow("drop_unsupported_processors", "", "none", ""),
-    MappingRow("disable_nccl_graph_mixing", "", "none", ""),
-    MappingRow("cpu_group_timeout", "", "none", ""),
-    MappingRow("use_default_compile_configs", "", "none", "deprecated in transformers"),
-    MappingRow("max_cached_graphs", "", "none", "deprecated in transformers"),
+    *NO_SERVING_EQUIVALENT,
     MappingRow("block_size", "--block-size", "same", "deprecated alias of page_size"),
     MappingRow("prefix_eviction", "", "mapped",
                "vLLM always evicts least recently used blocks first (= cbnb's 'lru')"),
@@ -91,20 +87,16 @@ def to_vllm(config: Any, model: str = "MODEL") -> Export:
     else:
         ex.problems.append(f"page_size={ps}: vLLM accepts --block-size in {', '.join(map(str, BLOCK_SIZES))} "
                            "only; not exported (choose one of those and re-tune)")
-    if config.num_blocks is not None:
-        f += ["--num-gpu-blocks-override", str(config.num_blocks)]
+    ex.add("--num-gpu-blocks-override", config.num_blocks)
+    ex.add("--gpu-memory-utilization", config.max_memory_percent)
     if config.max_memory_percent is not None:
-        f += ["--gpu-memory-utilization", f"{config.max_memory_percent:g}"]
         ex.notes.append("--gpu-memory-utilization is a share of total GPU memory for the whole vLLM instance "
                         "(weights included); max_memory_percent was a share of free memory for the cache")
-    if config.max_batch_tokens is not None:
-        f += ["--max-num-batched-tokens", str(config.max_batch_tokens)]
-    if config.max_requests_per_batch is not None:
-        f += ["--max-num-seqs", str(config.max_requests_per_batch)]
+    ex.add("--max-num-batched-tokens", config.max_batch_tokens)
+    ex.add("--max-num-seqs", config.max_requests_per_batch)
     f.append("--enable-prefix-caching" if config.allow_block_sharing else "--no-enable-prefix-caching")
-    if config.cpu_offload_space is not None:
-        f += ["--swap-space", f"{config.cpu_offload_space:g}"]
-    else:
+    ex.add("--swap-space", config.cpu_offload_space)
+    if config.cpu_offload_space is None:
         ex.notes.append("cpu_offload_space=None (a share of free RAM) is not exported: vLLM's --swap-space "
                         "defaults to 4 GiB")
     if config.scheduler_type == "fifo":
@@ -119,8 +111,7 @@ def to_vllm(config: Any, model: str = "MODEL") -> Export:
                             "vLLM cannot turn off one of the two graph paths alone"))
     if config.use_async_batching is not None:
         f.append("--async-scheduling" if config.use_async_batching else "--no-async-scheduling")
-    if config.seed is not None:
-        f += ["--seed", str(config.seed)]
+    ex.add("--seed", config.seed)
     if config.safety_margin is not None:
         ex.unmapped.append(("safety_margin", config.safety_margin,
                             "vLLM keeps no free-cache reserve before admitting new requests"))
@@ -130,8 +121,5 @@ def to_vllm(config: Any, model: str = "MODEL") -> Export:
     handled = {"page_size", "num_blocks", "max_memory_percent", "max_batch_tokens", "max_requests_per_batch",
                "allow_block_sharing", "cpu_offload_space", "scheduler_type", "use_cuda_graph", "use_async_batching",
                "seed", "safety_margin", "prefix_eviction", "block_size"}
-    notes = {r.field: r.note for r in MAPPING}
-    for name, value in changed_fields(config).items():
-        if name not in handled:
-            ex.unmapped.append((name, value, notes.get(name) or "no vLLM equivalent"))
+    ex.report_unmapped(config, handled, MAPPING, "no vLLM equivalent")
     return ex
