@@ -186,6 +186,9 @@ class Driver:
         self.engine = engine
         self.workload = workload
         self.clock = clock if clock is not None else WallClock()
+        if not isinstance(getattr(self.clock, "threaded", None), bool):
+            raise TypeError("clock must have a bool `threaded` (see cbnb.driver.Clock); got "
+                            f"{type(self.clock).__name__}")
         self.submit_kwargs = {"ignore_eos": True, **(submit_kwargs or {})}
         self.time_scale = float(time_scale)
         n = workload.num_requests
@@ -236,7 +239,7 @@ class Driver:
         if self.t0 is not None:
             raise RuntimeError("this driver already ran: make a new Driver for another run")
         self.t0 = self.clock.now()
-        if getattr(self.clock, "threaded", True):
+        if self.clock.threaded:
             self._thread = threading.Thread(target=self._submit_all, name="cbnb-driver", daemon=True)
             self._thread.start()
         else:

@@ -19,7 +19,8 @@ The engine protocol. Besides what `cbnb.driver` needs (``submit`` and its handle
 use, when the engine has them:
 
 =========================  =============================================================================================
-``start()``                called first by `run_workload` (a no-op when running)
+``start()``                called first by `run_workload` on a wall (threaded) clock, a no-op when running; never
+                           on a virtual clock, where the driver's thread drives the engine through the clock
 ``reset_stats()``          called before each run, so ``stats()["run"]`` covers that run only
 ``stats()``                ``{"run": {...}}``: the keys of `cbnb.metrics.engine_figures` found there (``steps``,
                            ``mean_kv_usage_blocks_frac``, ``mean_kv_usage_tokens_frac``, ``swaps``, ``soft_resets``,
@@ -106,12 +107,12 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     Raises:
         TimeoutError: the run did not end within `timeout`.
     """
-    if hasattr(engine, "start"):
-        engine.start()
-    if reset_stats and hasattr(engine, "reset_stats"):
-        engine.reset_stats()
     driver = Driver(engine, workload, clock=clock if clock is not None else getattr(engine, "driver_clock", None),
                     time_scale=time_scale, submit_kwargs=submit_kwargs)
+    if driver.clock.threaded and hasattr(engine, "start"):
+        engine.start()  # on a virtual clock the caller's thread drives the engine: no thread of its own
+    if reset_stats and hasattr(engine, "reset_stats"):
+        engine.reset_stats()
     records = driver.run(timeout)
     metrics = summarize(records, slo=slo, duration_s=driver.duration_s)
     stats = engine.stats() if hasattr(engine, "stats") else None

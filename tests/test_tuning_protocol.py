@@ -85,6 +85,9 @@ class TunableSim(QueueSim):
     def tpot_s(self) -> float:
         return TPOT_S * self.user_config.page_size / 16
 
+    def start(self):
+        raise AssertionError("on a virtual clock the caller drives the engine: start() must not be called")
+
     def reconfigure(self, config):
         old, self.user_config = self.user_config, config
         self.reconfigured += 1
@@ -173,3 +176,8 @@ def test_virtual_clock_order_is_sleep_now_submit_then_drain():
     sim.submit = lambda *a, **kw: (calls.append("submit"), sub(*a, **kw))[1]
     run_workload(sim, _workload((0.0, 0.5)), log=False)
     assert calls == ["now", ("sleep", 0.0), "now", "submit", ("sleep", 0.5), "now", "submit", "drain"]
+
+
+def test_a_clock_without_threaded_is_refused():
+    with pytest.raises(TypeError, match="threaded"):
+        run_workload(QueueSim(), _workload(), clock=SimpleNamespace(now=lambda: 0.0), log=False)
