@@ -20,7 +20,7 @@ use, when the engine has them:
 
 =========================  =============================================================================================
 ``start()``                called first by `run_workload` on a wall (threaded) clock, a no-op when running; never
-                           on a virtual clock, where the driver's thread drives the engine through the clock
+                           on a virtual clock, where the caller's thread drives the engine through the clock
 ``reset_stats()``          called before each run, so ``stats()["run"]`` covers that run only
 ``stats()``                ``{"run": {...}}``: the keys of `cbnb.metrics.engine_figures` found there (``steps``,
                            ``mean_kv_usage_blocks_frac``, ``mean_kv_usage_tokens_frac``, ``swaps``, ``soft_resets``,
@@ -37,8 +37,8 @@ use, when the engine has them:
 ``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb")
 ``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
                            `cbnb.driver`); absent: the wall clock
-``generate(prompts,        the warm-up of `sweep` (one 2-token request on each fresh cache); skipped when absent
-max_new_tokens, ignore_eos)``
+``generate(...)``          the warm-up of `sweep`: ``generate([prompt], max_new_tokens=2, ignore_eos=True)`` on each
+                           fresh cache (not recorded); skipped when absent
 =========================  =============================================================================================
 
 `best` and `cbnb.metrics.summarize` read only runs and records, never the engine. `tests/test_tuning_protocol.py`
