@@ -211,7 +211,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "token_times",
         "source", "_phase_has_output",
     )
 
@@ -247,6 +247,7 @@ class Request:
         self.request_id = request_id
         self.prompt_ids: list[int] = ids
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []  # when each output token was appended (perf_counter s, or `now`)
         self.sampling = sampling or SamplingParams()
         limit = self.sampling.max_new_tokens
         if limit is None:
@@ -351,8 +352,10 @@ class Request:
         if self.pending_samples > 0:
             self.pending_samples -= 1
         self.output_ids.append(int(token))
+        t = time.perf_counter() if now is None else now
+        self.token_times.append(t)
         if self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter() if now is None else now
+            self.timings.first_token = t
         if not self.sampling.ignore_eos and token in self.sampling.eos_token_ids:
             self.finish_reason = "eos"
             return True
@@ -378,6 +381,7 @@ class Request:
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
             source=self.source,
+            token_times=list(self.token_times),
         )
 
     def __repr__(self) -> str:
@@ -409,6 +413,8 @@ class RequestOutput:
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
         source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
             Python.
+        token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
+            the source of inter-token latencies.
     """
 
     request_id: str
@@ -425,6 +431,7 @@ class RequestOutput:
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
     source: str | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -151,6 +151,19 @@ def lone_prompts(workload, vocab_size: int, count: int = 3, seed: int = 0) -> li
     return [[rng.randrange(FIRST_ID, vocab_size) for _ in range(n)] for _ in range(count)]
 
 
+def hf_cb_manager(model, config, max_new_tokens: int):
+    """transformers' continuous-batching manager for `model` with `config`'s values, started (greedy, EOS off).
+
+    Also used by `cbnb.peers.HFContinuousBatching` (the notebook A/B with arrival times).
+    """
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_new_tokens)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=config.to_transformers())
+    manager.start()
+    return manager
+
+
 def _results_until(handles: list[Any], t0: float, timeout_s: float | None) -> tuple[list[Any], float | None]:
     """Every handle's output; past `timeout_s` after `t0` the unfinished ones are cancelled (their outputs keep the
     tokens produced so far). Returns (outputs, seconds until the timeout, or None when all finished in time)."""
@@ -171,13 +184,9 @@ def run_hf_cb(model, workload, config, *, timeout_s: float | None = None) -> Pee
     """transformers' continuous batching with the same config values. With `timeout_s`, results are collected for
     that many seconds at most: a partial result counts the requests finished by then, with `error` saying so."""
     import torch
-    from transformers import GenerationConfig
 
     device = next(model.parameters()).device.type
-    gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(workload.max_new_tokens))
-    hf_cfg = config.to_transformers()
-    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=hf_cfg)
-    manager.start()
+    manager = hf_cb_manager(model, config, max(workload.max_new_tokens))
     try:
         rid = manager.add_request(workload.prompts[0][:8], max_new_tokens=2)
         _collect(manager, {rid})
