@@ -130,7 +130,8 @@ class LoopState:
     def submit(self, req: Request, handle: RequestHandle) -> None:
         """Queue a request (any thread). Raises `EngineStoppedError`, `queue.Full` or `ValueError` (duplicate id)."""
         limit = self.config.max_queue_size
-        self.inbox.submit(req, register=lambda: self.handles.add(handle, limit))
+        self.inbox.submit(req, register=lambda: self.handles.add(handle, limit),
+                          wait=threading.current_thread() is not self.thread)  # the loop never waits for itself
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request (any thread). True when it had not ended: it will end CANCELLED, with no token
