@@ -13,6 +13,7 @@ timed test. Examples::
 
     python -m cbnb.bench --workload cpu-32
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants telemetry=off,telemetry=on
+    python -m cbnb.bench --workload cpu-32 --peers cbnb --variants sampled=off,sampled=on
     python -m cbnb.bench --workload nanovllm-256 --model shape:qwen3-0.6b --peers cbnb,hf-cb
 """
 
@@ -102,8 +103,10 @@ def _config_from(hints: dict[str, Any], args: argparse.Namespace):
 
 
 def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_kwargs: dict | None = None,
-             on_engine: Callable[[Any], Any] | None = None, timeout_s: float | None = None) -> PeerResult:
-    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up).
+             on_engine: Callable[[Any], Any] | None = None, timeout_s: float | None = None,
+             submit_kwargs: dict | None = None) -> PeerResult:
+    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up); `submit_kwargs` go to every
+    request's `submit` (e.g. sampling and logits processors).
 
     With `timeout_s`, requests unfinished that many seconds after the submission are cancelled and the result is
     partial: the tokens produced until then, over that time, with `error` saying so."""
@@ -120,7 +123,7 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
             eng.reset_stats()
         with _PeakMemory(device) as mem:
             t0 = time.perf_counter()
-            handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True)
+            handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True, **(submit_kwargs or {}))
                        for p, n in zip(workload.prompts, workload.max_new_tokens)]
             outs, cut_at = _results_until(handles, t0, timeout_s)
             if device == "cuda":
@@ -289,10 +292,19 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "name": r.name, "seconds": round(r.seconds, 3), "output_tok_per_s": round(r.tok_per_s, 2),
             "ratio_vs_first": round(r.tok_per_s / base.tok_per_s, 3) if base.tok_per_s else None,
             "peak_bytes": r.peak_bytes, "greedy_agreement_vs_first": round(agreement(base, r), 3),
-            "error": r.error, **{k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant")},
+            "error": r.error, "sample_ms_per_step": _sample_ms(r),
+            **{k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant")},
         } for r in results],
     }
     return report
+
+
+def _sample_ms(r: PeerResult) -> float | None:
+    """Milliseconds per step spent sampling (logits processors, warpers, the draw, the report), for cbnb runs."""
+    run = (r.extra.get("stats") or {}).get("run") or {}
+    steps = run.get("steps")
+    sample = (run.get("time_by_phase_s") or {}).get("sample")
+    return round(1000 * sample / steps, 3) if steps and sample is not None else None
 
 
 def _release_memory() -> None:
@@ -313,13 +325,21 @@ def _guard(name: str, fn: Callable[[], PeerResult]) -> PeerResult:
         return PeerResult(name, 0.0, 0, 0, [], {}, f"{type(e).__name__}: {e}")
 
 
+#: The ``sampled=on`` variant's request arguments: sampling with processors, to measure their cost per step.
+SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=0)
+
+
 def _run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
-    """A cbnb run with one named option, e.g. "telemetry=off" or "dashboard=on"."""
+    """A cbnb run with one named option, e.g. "telemetry=off", "dashboard=on" or "sampled=on" (every request
+    samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run)."""
     key, _, val = variant.partition("=")
     on = val.lower() in ("1", "on", "true", "yes")
     kwargs: dict[str, Any] = {}
+    submit: dict[str, Any] = {}
     hook = None
-    if key == "telemetry":
+    if key == "sampled":
+        submit = dict(SAMPLED) if on else {}
+    elif key == "telemetry":
         kwargs["telemetry"] = on
     elif key == "dashboard":
         if on:
@@ -331,7 +351,8 @@ def _run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
         config = config.copy(**{key: on})
     else:
         raise SystemExit(f"unknown variant {variant!r}")
-    r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook)
+    r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook,
+                 submit_kwargs=submit)
     r.extra["variant"] = variant
     return r
 
@@ -342,11 +363,14 @@ def _print(report: dict[str, Any]) -> None:
           f"{report['device']}, {report['threads']} threads)")
     cfg = report["config"]
     print("config: " + ", ".join(f"{k}={cfg[k]}" for k in ("page_size", "num_blocks", "max_batch_tokens")))
-    print(f"{'peer':<24}{'seconds':>9}{'out tok/s':>11}{'vs first':>10}{'peak MiB':>10}{'same tokens':>13}  error")
+    print(f"{'peer':<24}{'seconds':>9}{'out tok/s':>11}{'vs first':>10}{'peak MiB':>10}{'same tokens':>13}"
+          f"{'sample ms/step':>16}  error")
     for p in report["peers"]:
         ratio = f"{p['ratio_vs_first']:.2f}x" if p["ratio_vs_first"] is not None else "-"
+        sms = p.get("sample_ms_per_step")
         print(f"{p['name']:<24}{p['seconds']:>9.2f}{p['output_tok_per_s']:>11.1f}{ratio:>10}"
-              f"{p['peak_bytes'] / 2**20:>10.0f}{p['greedy_agreement_vs_first'] * 100:>12.0f}%  {p['error'] or ''}")
+              f"{p['peak_bytes'] / 2**20:>10.0f}{p['greedy_agreement_vs_first'] * 100:>12.0f}%"
+              f"{'-' if sms is None else f'{sms:.2f}':>16}  {p['error'] or ''}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -135,6 +135,7 @@ class ProcessorBatch:
     add: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, tokens, bias (single tokens)
     seq_bias: list[_Seq] = field(default_factory=list)
     hist_rows: torch.Tensor | None = None  # [m] processed rows that read a history
+    all_rows: bool = False  # hist_rows is every processed row, in order
     slots: torch.Tensor | None = None  # [m]
     lengths: torch.Tensor | None = None  # [m]
     prompt_lens: torch.Tensor | None = None  # [m]
@@ -151,8 +152,9 @@ class ProcessorBatch:
 
 
 def build(rows: Sequence[RowInfo], history: History, vocab: int,
-          to_device: Callable[[np.ndarray], torch.Tensor]) -> ProcessorBatch | None:
-    """The processor tensors of one step's processed rows (None when no row has a processor)."""
+          to_device: Callable[[np.ndarray], torch.Tensor], n_rows: int = 0) -> ProcessorBatch | None:
+    """The processor tensors of one step's processed rows (None when no row has a processor); `n_rows`: how many
+    processed rows the step has (all of them, not only those in `rows`)."""
     rows = [r for r in rows if r.params.processors]
     if not rows:
         return None
@@ -226,6 +228,7 @@ def build(rows: Sequence[RowInfo], history: History, vocab: int,
         plan["hist"] = (put_i([r.row for r in hist]), put_i(slots), put_i([r.length for r in hist]),
                         put_i([len(r.request.prompt_ids) for r in hist]))
         batch.max_len = max(r.length for r in hist)
+        batch.all_rows = [r.row for r in hist] == list(range(n_rows))
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
             vals = [getattr(r.params, name) for r in hist]
             neutral = 1.0 if name == "repetition_penalty" else 0.0
@@ -301,20 +304,23 @@ def apply(x: torch.Tensor, batch: ProcessorBatch, history: History) -> torch.Ten
         h = history.buf.index_select(0, batch.slots)[:, :width]  # [m, L]
         pos = torch.arange(width, device=x.device).unsqueeze(0)
         valid = pos < batch.lengths.unsqueeze(1)
-        idx = torch.where(valid, h, V)  # padding -> a spare column past the vocabulary
+        # Positions past a row's history point at its first token: a duplicate of a real entry, so a gather /
+        # scatter of them rewrites a value already written (every history has at least the prompt's first token).
+        idx = torch.where(valid, h, h[:, :1])
         if batch.repetition is not None or batch.frequency is not None or batch.presence is not None:
-            xs = torch.cat([x.index_select(0, batch.hist_rows), x.new_zeros(m, 1)], 1)
+            xs = x if batch.all_rows else x.index_select(0, batch.hist_rows)
             if batch.repetition is not None:
                 g = xs.gather(1, idx)
                 pen = batch.repetition
-                xs = xs.scatter(1, idx, torch.where(g < 0, g * pen, g / pen))
-            gen = torch.where(valid & (pos >= batch.prompt_lens.unsqueeze(1)), h, V)  # generated tokens only
+                xs.scatter_(1, idx, torch.where(g < 0, g * pen, g / pen))
+            gen = (valid & (pos >= batch.prompt_lens.unsqueeze(1))).to(xs.dtype)  # generated tokens only
             if batch.frequency is not None:
-                xs = xs.scatter_add(1, gen, (-batch.frequency).expand(m, width).contiguous())
+                xs.scatter_add_(1, idx, -gen * batch.frequency)
             if batch.presence is not None:
-                seen = torch.zeros_like(xs).scatter_(1, gen, 1.0)
-                xs = xs - seen * batch.presence
-            x.index_copy_(0, batch.hist_rows, xs[:, :V])
+                seen = torch.zeros_like(xs).scatter_add_(1, idx, gen).clamp_(max=1.0)
+                xs.sub_(seen * batch.presence)
+            if not batch.all_rows:
+                x.index_copy_(0, batch.hist_rows, xs)
         for n, sel in batch.ngrams:
             x = _no_repeat(x, n, sel, h, batch)
     x = _sequences(x, batch.seq_ban, history, batch)

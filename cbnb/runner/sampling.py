@@ -268,7 +268,7 @@ class Sampler:
         iv = self._to_device(np.asarray(ints, dtype=np.int64).T.copy())
         fv = self._to_device(np.asarray(floats, dtype=np.float32).T.copy())
         sample_flags = [t[4] for t in ints]
-        batch = procs.build(infos, self.history, vocab or 0, self._to_device) if infos else None
+        batch = procs.build(infos, self.history, vocab or 0, self._to_device, len(params)) if infos else None
         append = None
         if batch is not None and batch.hist_rows is not None:  # the drawn token joins the row's history
             append = (batch.slots, batch.lengths, batch.hist_rows)
@@ -330,9 +330,11 @@ class Sampler:
         S = min(len(entries), logits.shape[0])
         logits = logits[:S]
         if out is None:
-            out = logits.argmax(-1)
+            top, out = logits.max(-1)  # the argmax and the finiteness check in one pass
+        else:
+            top = logits.amax(-1)
         rows = self.rows(entries, logits.shape[-1]) if S else None
-        bad = ~torch.isfinite(logits.amax(-1)) if S else logits.new_zeros(0, dtype=torch.bool)
+        bad = ~torch.isfinite(top)
         if rows is None:
             return out, StepReport(bad.to(torch.float64).unsqueeze(1))
         tok, x = self.draw(logits, rows)
