@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any, Iterable
 
 __all__ = ["SamplingParams", "GREEDY_TEMPERATURE", "MAX_LOGPROBS", "PROCESSOR_FIELDS"]
@@ -280,30 +281,35 @@ class SamplingParams:
         return frozenset(ids)
 
     # ------------------------------------------------------------------------------------------ derived
-    @property
+    # (cached: the sampler reads them for every row of every step)
+    @cached_property
     def greedy(self) -> bool:
         """True when the request takes the argmax: not `do_sample`, or a temperature below `GREEDY_TEMPERATURE`."""
         return not self.do_sample or self.temperature < GREEDY_TEMPERATURE
 
-    @property
+    @cached_property
     def processors(self) -> tuple[str, ...]:
         """Names of the logits processors this request applies, in order."""
         return tuple(n for n, neutral in PROCESSOR_FIELDS.items() if getattr(self, n) != neutral)
 
-    @property
+    @cached_property
     def needs_history(self) -> bool:
         """Whether a processor reads the request's token history (not just its length)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.no_repeat_ngram_size > 0 or any(len(s) > 1 for s in self.bad_words_ids)
                 or any(len(s) > 1 for s, _ in self.sequence_bias))
 
-    @property
+    @cached_property
     def plain(self) -> bool:
         """Greedy with no processor and no logprobs: the argmax of the raw logits is the token."""
         return self.greedy and self.logprobs is None and not self.processors
 
     def describe(self) -> list[str]:
         """What this request applies, in order, as short "name=value" strings (telemetry: the board, events)."""
+        return list(self._description)
+
+    @cached_property
+    def _description(self) -> tuple[str, ...]:
         out = []
         for name in self.processors:
             v = getattr(self, name)
@@ -324,7 +330,7 @@ class SamplingParams:
             out.append(f"logprobs={self.logprobs}")
         if self.stop:
             out.append(f"stop({len(self.stop)})")
-        return out
+        return tuple(out)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` naming the field when a token id lies outside ``[0, vocab_size)``, or when `logprobs`

@@ -141,3 +141,38 @@ def test_processors_match_generate_async(workload):
         outs = results(handles)
     _check(outs, work)
     assert engine.runner.carried > 0
+
+
+SAMPLED = dict(do_sample=True, temperature=0.9, top_p=0.95, top_k=50, min_p=0.02, repetition_penalty=1.2,
+               no_repeat_ngram_size=3, frequency_penalty=0.3, seed=1234, logprobs=2)
+
+
+def _sampled_run(engine, prompts, crowd):
+    with engine:
+        with paused(engine):
+            mine = [engine.submit(p, max_new_tokens=N, eos_token_id=-1, **dict(SAMPLED, seed=1234 + i))
+                    for i, p in enumerate(prompts)]
+            others = [engine.submit(p, max_new_tokens=N, **kw) for p, kw in crowd]
+        outs = results(mine)
+        rest = results(others)
+    engine.moved = sum(o.num_soft_resets + o.num_offloads for o in outs + rest)
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+def test_seeded_sampling_with_processors_is_independent_of_the_batch(workload):
+    # The same seeded requests alone, in a crowd of other processor settings, under offloading, and with the async
+    # runner: the same tokens and logprobs every time.
+    model, work = workload
+    prompts = [work[i][0] for i in (0, 3, 7)]
+    alone = _sampled_run(cbnb.Engine(model, config=config(page_size=16)), prompts, [])
+    again = _sampled_run(cbnb.Engine(model, config=config(page_size=16)), prompts, [])
+    crowd = [(p, kw) for p, kw, _ in work[4:12]]
+    tight = cbnb.Engine(model, config=config(page_size=8, num_blocks=14, max_batch_tokens=64, cpu_offload_space=0))
+    crowded = _sampled_run(tight, prompts, crowd)
+    asyn = _sampled_run(async_engine(model, config(page_size=16, max_batch_tokens=64)), prompts, crowd)
+    assert tight.moved > 0, "the tight config did not soft-reset anything"
+    for run in (again, crowded, asyn):
+        assert [t for t, _ in run] == [t for t, _ in alone]
+        assert all(abs(a - b) < 1e-4 for (_, la), (_, lb) in zip(run, alone) for a, b in zip(la, lb))
+    assert len({tuple(t) for t, _ in alone}) == 3
+    assert sum(1 for t, _ in alone for p in prompts if t == generate(model, p, N)[:len(t)]) == 0  # really sampled
