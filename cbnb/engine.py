@@ -18,12 +18,14 @@ config), `cbnb.core` (the torch-free decisions).
 Notebook lifetime: an Engine that nothing references any more (a re-run cell rebinding its name, ``del engine``)
 stops by itself: unfinished requests end CANCELLED, its KV pool is freed, and the model's attention implementation
 comes back once no other engine uses the model. Keep the engine referenced while you use its handles. An interrupt
-(KeyboardInterrupt) or a timeout inside `generate()` cancels that call's requests.
+(KeyboardInterrupt) or a timeout inside `generate()` cancels that call's requests. A served engine
+(`engine.serve()`) is held by its running server: it lives until `server.stop()` or `engine.stop()`.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -180,24 +182,58 @@ class Engine:
         return self
 
     def stop(self, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the loop and join its thread. From the moment this is called, `submit` raises
-        `EngineStoppedError`; everything submitted before ends with a terminal output.
+        """Stop the loop and join its thread, then stop the engine's HTTP servers (`serve`). From the moment this
+        is called, `submit` raises `EngineStoppedError`; everything submitted before ends with a terminal output.
 
         Args:
-            drain: finish every submitted request first; otherwise unfinished requests end CANCELLED
-                (error "engine stopped").
-            timeout: seconds to wait for the thread (None: no limit).
+            drain: finish every submitted request first (HTTP clients get their whole responses); otherwise
+                unfinished requests end CANCELLED (error "engine stopped").
+            timeout: seconds to wait for the thread, and then for each server (None: no limit).
         """
         timeout = check_timeout(timeout)
         loop = self._loop
-        if loop.state != "running":
-            return
-        loop.inbox.request_stop(drain)
-        t = loop.thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout)
-            if not t.is_alive():
-                loop.thread = None
+        if loop.state == "running":
+            loop.inbox.request_stop(drain)
+            t = loop.thread
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout)
+                if not t.is_alive():
+                    loop.thread = None
+        # After the loop: a drained request's last tokens still reach its HTTP client. Without the server module
+        # loaded, nothing was served.
+        lifecycle = sys.modules.get("cbnb.server.lifecycle")
+        if lifecycle is not None:
+            for server in lifecycle.servers_for(self):
+                server.stop(timeout)  # uvicorn bounds its own shutdown (graceful_shutdown_s)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+              **limits: Any) -> Any:
+        """Serve this engine over an OpenAI-compatible HTTP API from a background thread of its own; returns the
+        running `cbnb.server.Server` (`url`, `counters()`, `stop()`) once the port accepts connections. Starts the
+        engine if it was never started.
+
+        Args:
+            host: the address to bind; anything but loopback needs `api_key` or `allow_unauthenticated=True`.
+            port: the TCP port (0 picks a free one: see `server.port`). A server this process already runs on the
+                port is stopped first, so re-running the cell replaces it.
+            api_key: the Bearer token clients must send (compared in constant time); None: no key.
+            limits: the other `cbnb.server.ServerSettings` fields: allow_unauthenticated, model_name,
+                max_body_bytes, max_prompt_tokens, max_tokens_limit, max_concurrent_requests, graceful_shutdown_s.
+
+        Lifetime: the running server holds this engine, so a served engine lives until `server.stop()` or
+        `engine.stop()` (which stops its servers), even once no name refers to it; a stopped server lets it go.
+        At interpreter exit, servers and engines all stop.
+
+        Raises:
+            ImportError: without the web stack: ``pip install 'cbnb[serve]'``.
+            ValueError: bad settings (the message names the field), or a non-loopback `host` without `api_key` /
+                `allow_unauthenticated`.
+            OSError: when another program holds the port.
+            RuntimeError: when the engine is stopped or dead.
+        """
+        from .server import serve  # imports without the web stack; serve() names the extra when it is missing
+
+        return serve(self, host=host, port=port, api_key=api_key, **limits)
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -231,14 +267,14 @@ class Engine:
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                request_id: str | None = None, *, ignore_eos: bool | None = None, chat: bool | None = None,
-               min_p: float | None = None, min_new_tokens: int | None = None, min_length: int | None = None,
-               repetition_penalty: float | None = None, frequency_penalty: float | None = None,
-               presence_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
-               bad_words_ids: Sequence[Sequence[int]] | None = None, sequence_bias: Any = None,
-               logit_bias: dict[int, float] | None = None, suppress_tokens: Sequence[int] | None = None,
-               begin_suppress_tokens: Sequence[int] | None = None, forced_bos_token_id: int | None = None,
-               forced_eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
-               logprobs: int | None = None) -> RequestHandle:
+               source: str | None = None, min_p: float | None = None, min_new_tokens: int | None = None,
+               min_length: int | None = None, repetition_penalty: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
+               sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
+               suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
+               forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
 
         Every generation argument left None takes the engine's default (its `generation_config`, see
@@ -255,6 +291,9 @@ class Engine:
             request_id: a unique id (default: "req-N").
             ignore_eos: never stop on EOS (benchmarks).
             chat: apply the chat template to a text prompt (None: when the tokenizer has one).
+            source: who sent it (free text, at most `cbnb.requests.MAX_SOURCE_CHARS` characters), carried on the
+                request's outputs and shown on the dashboard's board; the HTTP server passes "http <host:port>".
+                None: a call from Python.
             min_new_tokens, min_length, repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias,
                 suppress_tokens, begin_suppress_tokens, forced_bos_token_id, forced_eos_token_id: transformers'
                 logits processors (GenerationConfig's names and ranges).
@@ -266,10 +305,10 @@ class Engine:
                 output and in every streamed delta); None: only when `config.return_logprobs` (then 0).
 
         Raises:
-            TypeError: a prompt form that is not accepted.
+            TypeError: a prompt form that is not accepted, or a `source` that is not a string.
             ValueError: bad prompt or generation values (the message names the field and its range; token ids in
-                the arguments must lie in the vocabulary), a duplicate request_id, or a prompt with no room to
-                generate within the model's max positions.
+                the arguments must lie in the vocabulary), a duplicate request_id, a `source` that is too long, or
+                a prompt with no room to generate within the model's max positions.
             queue.Full: when `config.max_queue_size` requests are already unfinished (0 = unbounded).
             EngineStoppedError: once `stop()` began, or after the engine died.
         """
@@ -283,19 +322,22 @@ class Engine:
                                   max_positions=self.max_positions)
         stopper = StopMatcher(self.tokenizer, sp.stop) if sp.stop else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper)
+        req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper, source=source)
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
         self._loop.submit(req, handle)
         return handle
 
     def generate(self, prompts: Iterable[Any], max_new_tokens: int | None = None, *, timeout: float | None = None,
-                 **sampling: Any) -> list[RequestOutput]:
+                 source: str | None = None, **sampling: Any) -> list[RequestOutput]:
         """Submit every prompt and wait: one `RequestOutput` per prompt, in input order.
 
         Args:
             prompts: a list of prompts (each what `submit` takes), a 2-D tensor/array (one prompt per row), or a
                 batched tokenizer output (one prompt per row, padding dropped by its attention mask).
             timeout: seconds to wait for all of them (None: no limit).
+            source: who sent them (as `submit`), the same for every prompt.
+            sampling: the other keywords of `submit` (sampling, logits processors, eos_token_id, ignore_eos, chat,
+                stop, logprobs).
 
         Raises:
             TypeError: `prompts` is a single prompt (a string, one list of ids: wrap it in a list, or use `submit`).
@@ -308,7 +350,7 @@ class Engine:
         handles: list[RequestHandle] = []
         try:
             for p in split_batch(prompts):
-                handles.append(self.submit(p, max_new_tokens=max_new_tokens, **sampling))
+                handles.append(self.submit(p, max_new_tokens=max_new_tokens, source=source, **sampling))
             deadline = None if timeout is None else time.monotonic() + timeout
             outs = []
             for h in handles:
@@ -369,6 +411,18 @@ class Engine:
             out = self._loop.recorder.summary()
             out["memory_bytes"] = self.memory_split()
         return out
+
+    def latency_samples(self, cumulative: bool = True) -> dict[str, list[float]]:
+        """Every finished request's latencies in seconds (`RunStats.latency_samples`): {"ttft_s", "tpot_s",
+        "e2e_latency_s", "queue_time_s"}, each a list in finishing order, copied under the loop's lock.
+
+        Args:
+            cumulative: since the engine was built (never reset: what a Prometheus histogram needs); False: this
+                run, since `reset_stats()`.
+        """
+        with self._loop.lock:
+            rec = self._loop.recorder
+            return (rec.total if cumulative else rec.run).latency_samples()
 
     def reset_stats(self) -> None:
         """Start a new run for `stats()["run"]` (the cumulative figures keep counting)."""

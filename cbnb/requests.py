@@ -35,6 +35,7 @@ from .sampling_params import SamplingParams
 __all__ = [
     "CACHE_EXHAUSTED",
     "FINISH_REASONS",
+    "MAX_SOURCE_CHARS",
     "RequestState",
     "IllegalTransition",
     "SamplingParams",
@@ -115,6 +116,9 @@ class RequestTimings:
 
 _ARRIVAL = itertools.count()
 
+#: The longest `Request.source` accepted (characters).
+MAX_SOURCE_CHARS = 512
+
 
 class Request:
     """One generation request and its engine-side bookkeeping.
@@ -125,16 +129,20 @@ class Request:
         sampling: a `SamplingParams`.
         max_new_tokens_cap: the effective limit when `sampling.max_new_tokens` is None (model max positions minus
             the prompt length); must be >= 1.
+        source: who sent it, free text shown on the dashboard's board (e.g. "http 127.0.0.1:53211"); None: a
+            call from the notebook. At most `MAX_SOURCE_CHARS` characters.
 
     Raises:
-        ValueError: on an empty prompt or a non-integer / negative token id.
+        ValueError: on an empty prompt, a non-integer / negative token id, or a `source` that is too long.
+        TypeError: on a `source` that is neither a string nor None.
     """
 
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
         "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
-        "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason",
+        "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason",
+        "dropped",
     )
 
     def __init__(
@@ -146,9 +154,15 @@ class Request:
         max_new_tokens_cap: int | None = None,
         now: float | None = None,
         stopper: Any = None,
+        source: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string; got {request_id!r}")
+        if source is not None:
+            if not isinstance(source, str):
+                raise TypeError(f"source must be a string or None; got {type(source).__name__}")
+            if len(source) > MAX_SOURCE_CHARS:
+                raise ValueError(f"source must be at most {MAX_SOURCE_CHARS} characters; got {len(source)}")
         ids = []
         for i in prompt_ids:
             # Accept any integer-like id (numpy / torch integer scalars), stored as a plain int.
@@ -194,6 +208,8 @@ class Request:
         self.stopper = stopper  # a `cbnb.stops.StopMatcher` when the request has stop strings
         self.streamed = 0  # generated tokens delivered to the request's handle
         self.stop_reason: str | None = None  # the stop string that ended it (finish reason "stop")
+        self.dropped = 0  # generated tokens dropped at a stop string (they hold it, or follow it)
+        self.source: str | None = source
 
     # ------------------------------------------------------------------------------------------ token accounting
     @property
@@ -279,6 +295,7 @@ class Request:
             self.timings.first_token = time.perf_counter() if now is None else now
         if self.stopper is not None and self.stopper.push(int(token)):
             keep = self.stopper.kept_tokens
+            self.dropped = len(self.output_ids) - keep
             del self.output_ids[keep:]
             if self.logprobs is not None:
                 del self.logprobs[keep:]
@@ -326,6 +343,8 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             stop_reason=self.stop_reason,
             processors=tuple(self.sampling.describe()),
+            generated_tokens=len(self.output_ids) + self.dropped,
+            source=self.source,
         )
 
     def __repr__(self) -> str:
@@ -359,6 +378,10 @@ class RequestOutput:
             `ContinuousBatchingConfig.return_logprobs`), else None.
         stop_reason: the stop string that ended the request (finish reason "stop"), else None.
         processors: what the request applies to its logits, in order (`SamplingParams.describe`).
+        generated_tokens: tokens the engine generated: ``len(token_ids)``, plus on a stop string the tokens dropped
+            because they hold it (what an API bills as completion tokens).
+        source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
+            Python.
     """
 
     request_id: str
@@ -377,6 +400,8 @@ class RequestOutput:
     logprobs: list["TokenLogprob"] | None = None
     stop_reason: str | None = None
     processors: tuple[str, ...] = ()
+    generated_tokens: int = 0
+    source: str | None = None
 
     @property
     def finished(self) -> bool:

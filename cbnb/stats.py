@@ -133,6 +133,13 @@ class RunStats:
         if tm.queue_s is not None:
             self.queue.append(tm.queue_s)
 
+    def latency_samples(self) -> dict[str, list[float]]:
+        """Copies of the per-request latencies behind the summary's percentiles, in seconds, in the order the
+        requests finished: {"ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s"} (FINISHED requests only; TPOT
+        only for those with two tokens or more). For histograms (the server's `/metrics`) and custom percentiles."""
+        return {"ttft_s": list(self.ttft), "tpot_s": list(self.tpot), "e2e_latency_s": list(self.e2e),
+                "queue_time_s": list(self.queue)}
+
     def summary(self) -> dict[str, Any]:
         """Flat figures with units in the names."""
         span = (self.last_step_t - self.first_step_t) if self.first_step_t is not None else 0.0

@@ -3,7 +3,9 @@
 `StopMatcher` decodes the generated tokens incrementally (each new token's text is the difference between decoding
 a short window of tokens ending with it and the same window without it, the scheme of vLLM's incremental
 detokenizer; an incomplete UTF-8 tail waits for the next token), and searches each new piece of text, together with
-the tail it may complete, for every stop string, so a stop string that spans several tokens is found.
+the tail it may complete, for every stop string, so a stop string that spans several tokens is found. The first stop
+string to complete wins, as if the text arrived one character at a time (the one that ends first; of those ending at
+the same character, the longest), so how the text is cut into tokens does not matter.
 
 When one appears, the request ends with finish reason "stop":
 
@@ -96,15 +98,16 @@ class StopMatcher:
             if self._ends[k] != _INF:
                 break
             self._ends[k] = end
-        found: tuple[int, str] | None = None
+        found: tuple[int, int, str] | None = None  # (end, -length, stop) of the first stop string to complete
         if new:
-            lo = max(0, start - self._longest + 1)
+            lo = max(0, start - self._longest + 1)  # a stop string ending in the new text starts here or later
             for s in self.stops:
                 i = self.text.find(s, lo)
-                if i >= 0 and (found is None or i < found[0]):
-                    found = (i, s)
+                if i >= 0 and (found is None or (i + len(s), -len(s)) < found[:2]):
+                    found = (i + len(s), -len(s), s)
         if found is not None:
-            at, self.stop = found
+            end, neg, self.stop = found
+            at = end + neg
             self.text = self.text[:at]
             self.kept_tokens = bisect_right(self._ends, at)
             self.safe_tokens = min(self.safe_tokens, self.kept_tokens)

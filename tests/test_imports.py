@@ -34,6 +34,19 @@ def test_engine_imports_without_ui_or_gguf():
     assert "cbnb.engine" in mods and "torch" in mods
 
 
+def test_engine_and_server_package_import_without_the_web_stack():
+    # Without the `serve` extra, cbnb and cbnb.server still import; serve() names the install command.
+    code = ("import sys\nfor m in ('uvicorn', 'starlette', 'pydantic', 'prometheus_client'): sys.modules[m] = None\n"
+            "import cbnb, cbnb.engine, cbnb.server\n"
+            "from cbnb.server import serve\n"
+            "try:\n    serve(None)\nexcept ImportError as e:\n    print('ERR', e)\n"
+            "try:\n    cbnb.Engine.serve(None, port=0)\nexcept ImportError as e:\n    print('METHOD', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'cbnb[serve]'" in out and "uvicorn" in out
+    method = out[out.index("METHOD"):]  # engine.serve() says the same
+    assert "pip install 'cbnb[serve]'" in method and "uvicorn" in method
+
+
 def test_plan_data_imports_nothing_that_decides():
     mods = _loaded_after("import cbnb.plan")
     assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload", "cbnb.cache.manager", "cbnb.requests"} & mods

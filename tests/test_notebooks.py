@@ -11,9 +11,9 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
 
 
-def test_the_four_notebooks_exist():
+def test_the_notebooks_exist():
     assert NOTEBOOKS == ["01_quickstart.ipynb", "02_tuning_page_size_and_safety_margin.ipynb",
-                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb"]
+                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb", "06_serve_and_load.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -43,6 +43,8 @@ EXPECT = {
     "02_tuning_page_size_and_safety_margin.ipynb": ["Fragmentation", "soft-reset", "ContinuousBatchingConfig("],
     "03_prefix_caching.ipynb": ["of the prompt tokens were served from the cache"],
     "04_offloading_and_soft_reset.ipynb": ["Without a swap pool the engine soft-reset"],
+    "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
+                                "stopped"],
 }
 
 

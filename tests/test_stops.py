@@ -4,6 +4,8 @@ the tokens entirely before them, and streaming never shows a character of one.""
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import cbnb
 from cbnb.stops import StopMatcher
@@ -109,3 +111,34 @@ def test_engine_stops_and_streams_consistently(llama, smollm2_tokenizer, where):
     assert "".join(d.text for d in deltas) == out.text
     assert [t for d in deltas for t in d.token_ids] == out.token_ids
     assert other.finish_reason == "length" and other.token_ids == ref and other.text == full
+
+
+class PieceTokenizer:
+    """Token id i decodes to PIECES[i] (pieces of 1-3 characters): texts cut into tokens in many ways."""
+
+    PIECES = ["a", "b", "c", "\n", "ab", "ca", "bc", "a\n", "\nc", "abc", "cab", "\n\n"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@example(ids=[0, 0, 5], stops=["c", "aca"]).via("a stop inside a longer one completes first")
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, len(PieceTokenizer.PIECES) - 1), max_size=20),
+       stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_first_stop_to_complete_wins_however_the_text_is_cut(ids, stops):
+    # As if the text arrived character by character: the first end of a stop string cuts it (the longest of
+    # those ending there); the tokens kept are those entirely before the cut; streaming never passes the cut.
+    tok = PieceTokenizer()
+    text = tok.decode(ids)
+    hits = [e - max(len(s) for s in stops if text[:e].endswith(s))
+            for e in range(1, len(text) + 1) if any(text[:e].endswith(s) for s in stops)]
+    m = StopMatcher(tok, stops)
+    pushed = push_all(m, ids)
+    if not hits:
+        assert pushed is None and m.text == text and m.safe_tokens <= len(ids)
+        return
+    cut = hits[0]
+    assert m.text == text[:cut] and text[cut:].startswith(m.stop)
+    assert len(tok.decode(ids[:m.kept_tokens])) <= cut < len(tok.decode(ids[:m.kept_tokens + 1]))
+    assert m.safe_tokens <= m.kept_tokens
