@@ -219,8 +219,10 @@ class EngineCore:
         work.offloads.append(d)
 
     def apply(self, work: StepWork, tokens: Mapping[str, int], logprobs: Mapping[str, Any] | None = None,
-              invalid: Mapping[str, str] | None = None) -> list[Request]:
+              invalid: Mapping[str, str] | None = None, now: float | None = None) -> list[Request]:
         """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
+
+        `now` time-stamps the tokens (default: `time.perf_counter()`; a simulator passes its virtual time).
 
         Registers completed blocks in the prefix index (also those of a request's final step), appends tokens (with
         their `TokenLogprob` from `logprobs`), finishes requests on EOS / a stop string / max_new_tokens and frees
@@ -243,7 +245,7 @@ class EngineCore:
                     error = (invalid or {}).get(req.request_id)
                     self._fail(req, error or f"internal error: step {work.step_id} returned no token")
                     continue
-                done = req.append_token(int(tok), logprob=lps.get(req.request_id))
+                done = req.append_token(int(tok), now, logprob=lps.get(req.request_id))
                 updated.append(req)
                 if done:
                     self._end(req, RequestState.FINISHED)

@@ -25,6 +25,7 @@ comes back once no other engine uses the model. Keep the engine referenced while
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,7 @@ from .phases import LoopState
 from .generation import REQUEST_ARGS, GenerationDefaults
 from .prompts import prompt_ids, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
+from .runs import RunLog
 from .stops import StopMatcher
 from .telemetry import Recorder
 
@@ -66,24 +68,38 @@ class Engine:
             defaults, as ``init_continuous_batching(generation_config=...)``; None: ``model.generation_config``. A
             request's own arguments override it (`submit`). Logits processors cbnb does not implement follow
             `config.drop_unsupported_processors` (dropped with a warning, or a `ValueError`); see `cbnb.generation`.
+        runs: the run log to keep: a `cbnb.runs.RunLog` (e.g. shared with another engine), or a JSON-lines file
+            path to persist it (its entries are loaded first, so a restarted notebook keeps its history; every new
+            entry is appended; a file keeps the base config it was started with); None: a fresh in-memory log
+            whose base is this engine's first config.
 
     Attributes:
         config: the resolved config in use (every None filled in for this device: num_blocks, max_batch_tokens,
             CUDA-graph and async flags...).
         user_config: the config as given (or as last passed to `reconfigure`), Nones kept; its `to_code()` is what
             to paste into transformers on another machine, where the Nones resolve for that device.
+        runs: the run log (`cbnb.runs.RunLog`): every workload run (`cbnb.tuning.run_workload`) and every
+            `reconfigure` (recorded here by the engine itself, `records_reconfigures`), with its config change
+            against the log's base. `reset_stats()` is not an entry: it only starts a new `stats()["run"]` window
+            (every `run_workload` calls it; the run is the entry). The log is an attribute of this object, so it
+            survives `reconfigure`.
 
     Raises:
-        ValueError: for an unsupported model (attention types other than full/sliding), or a generation config that
-            continuous batching cannot follow (naming the field).
+        ValueError: for an unsupported model (attention types other than full/sliding), a generation config that
+            continuous batching cannot follow (naming the field), or a `runs` file holding a line that is not a
+            run-log entry.
         MemoryError: when the cache cannot be sized in the available memory.
     """
 
     _ids = itertools.count()
+    #: `reconfigure` writes its own run-log entry (`cbnb.tuning.reconfigure` then records nothing more).
+    records_reconfigures = True
+    engine_name = "cbnb"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None,
                  config: ContinuousBatchingConfig | None = None, *, device: torch.device | str | None = None,
-                 telemetry: bool = True, event_log_size: int = 100_000, generation_config: Any = None) -> None:
+                 telemetry: bool = True, event_log_size: int = 100_000, generation_config: Any = None,
+                 runs: RunLog | str | os.PathLike | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.telemetry = bool(telemetry)
@@ -99,6 +115,7 @@ class Engine:
         self.default_eos = self._default_eos()
         self._loop = LoopState(builder, Recorder(self.telemetry, event_log_size))
         self._loop.install(config or ContinuousBatchingConfig())
+        self.runs = runs if isinstance(runs, RunLog) else RunLog(base=self.user_config, path=runs)
         # The loop thread holds the LoopState, never this object: once nobody references the Engine, this stops the
         # loop and frees the pool (also at interpreter exit).
         self._finalizer = weakref.finalize(self, finalize, self._loop)
@@ -375,6 +392,9 @@ class Engine:
         """Apply a new config between runs. Unfinished requests are kept: they restart from their prompt and the
         tokens generated so far (their KV is recomputed in the new cache). Returns the resolved config.
 
+        Each successful call appends a "reconfigure" entry to `runs` (old -> new user config; the same config
+        again is recorded too: it gives a fresh cache). A refused config records nothing.
+
         Raises:
             ValueError / MemoryError: when the new config cannot be applied (the old one stays in force).
             TimeoutError: when the loop did not apply it within `timeout` seconds.
@@ -386,18 +406,20 @@ class Engine:
         if not config.drop_unsupported_processors:
             self.generation_defaults.check(False)
         loop = self._loop
+        old = self.user_config
         if loop.state != "running":
             if loop.thread is not None:
                 loop.thread.join()  # a stop that timed out: the thread still owns the parts
             with loop.lock:
                 loop.rebuild(config)
-            return self.config
-        msg = Reconfigure(config)
-        loop.inbox.control(msg)
-        if not msg.done.wait(timeout):
-            raise TimeoutError("reconfigure did not complete")
-        if msg.error is not None:
-            raise msg.error
+        else:
+            msg = Reconfigure(config)
+            loop.inbox.control(msg)
+            if not msg.done.wait(timeout):
+                raise TimeoutError("reconfigure did not complete")
+            if msg.error is not None:
+                raise msg.error
+        self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
         return self.config
 
     # ------------------------------------------------------------------------------------------ introspection

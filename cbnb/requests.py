@@ -140,9 +140,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
-        "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason",
-        "dropped",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "token_times",
+        "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason", "dropped",
     )
 
     def __init__(
@@ -178,6 +177,7 @@ class Request:
         self.request_id = request_id
         self.prompt_ids: list[int] = ids
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []  # when each output token was appended (perf_counter s, or `now`)
         self.sampling = sampling or SamplingParams()
         limit = self.sampling.max_new_tokens
         if limit is None:
@@ -289,14 +289,17 @@ class Request:
         if self.pending_samples > 0:
             self.pending_samples -= 1
         self.output_ids.append(int(token))
+        t = time.perf_counter() if now is None else now
+        self.token_times.append(t)
         if self.logprobs is not None:
             self.logprobs.append(logprob if logprob is not None else TokenLogprob(int(token), float("nan")))
         if self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter() if now is None else now
+            self.timings.first_token = t
         if self.stopper is not None and self.stopper.push(int(token)):
             keep = self.stopper.kept_tokens
             self.dropped = len(self.output_ids) - keep
             del self.output_ids[keep:]
+            del self.token_times[keep:]
             if self.logprobs is not None:
                 del self.logprobs[keep:]
             self.text = self.stopper.text
@@ -345,6 +348,7 @@ class Request:
             processors=tuple(self.sampling.describe()),
             generated_tokens=len(self.output_ids) + self.dropped,
             source=self.source,
+            token_times=list(self.token_times),
         )
 
     def __repr__(self) -> str:
@@ -382,6 +386,8 @@ class RequestOutput:
             because they hold it (what an API bills as completion tokens).
         source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
             Python.
+        token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
+            the source of inter-token latencies.
     """
 
     request_id: str
@@ -402,6 +408,7 @@ class RequestOutput:
     processors: tuple[str, ...] = ()
     generated_tokens: int = 0
     source: str | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ Definitions:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any, Iterable
@@ -32,8 +33,8 @@ def percentiles(values: Iterable[float]) -> dict[str, float | None]:
     if not xs:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None, "count": 0}
 
-    def rank(p: float) -> float:
-        k = max(0, min(len(xs) - 1, int(round(p / 100 * len(xs) + 0.5)) - 1))
+    def rank(p: float) -> float:  # the smallest value with at least p % of the values <= it
+        k = max(0, min(len(xs) - 1, math.ceil(p / 100 * len(xs) - 1e-9) - 1))
         return xs[k]
 
     return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "mean": sum(xs) / len(xs), "max": xs[-1],

@@ -25,6 +25,16 @@ def test_core_modules_do_not_import_torch():
     assert set(CORE) <= mods
 
 
+# The tuning lab drives any engine-like object, the simulator's too: it imports no torch either.
+LAB = ["cbnb.traffic", "cbnb.driver", "cbnb.metrics", "cbnb.runs", "cbnb.tuning", "cbnb.export", "cbnb.peers"]
+
+
+def test_tuning_lab_does_not_import_torch():
+    mods = _loaded_after("\n".join(f"import {m}" for m in LAB))
+    assert "torch" not in mods and "transformers" not in mods and "pandas" not in mods
+    assert set(LAB) <= mods
+
+
 def test_engine_imports_without_ui_or_gguf():
     # Make the UI libraries and gguf unimportable, as on the GPU machine.
     code = ("import sys\nfor m in ('ipywidgets', 'anywidget', 'plotly', 'gguf'): sys.modules[m] = None\n"
