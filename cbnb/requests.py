@@ -204,7 +204,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "prompt_text",
         "_phase_has_output",
     )
 
@@ -259,6 +259,7 @@ class Request:
         self.warning: str | None = None  # set at admission when the request can never fit the cache
         self.text: str = ""
         self.user_data: Any = None
+        self.prompt_text: str | None = None  # the words typed (text prompts and chat messages), for display
 
     # ------------------------------------------------------------------------------------------ token accounting
     @property
@@ -363,6 +364,7 @@ class Request:
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
+            prompt_text=self.prompt_text,
         )
 
     def __repr__(self) -> str:
@@ -392,6 +394,8 @@ class RequestOutput:
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
+        prompt_text: the prompt as typed (a text prompt, or the last user message of chat messages; whitespace
+            collapsed, at most 200 characters), None for token ids.
     """
 
     request_id: str
@@ -407,6 +411,7 @@ class RequestOutput:
     num_offloads: int = 0
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
+    prompt_text: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,8 @@ CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", 
         "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
         "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads",
         # the engine's runner-agnostic parts, shared with the simulator
-        "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop"]
+        "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop",
+        "cbnb.explain"]
 
 
 def _loaded_after(code: str) -> set[str]:

@@ -3,7 +3,7 @@
 ::
 
     from cbnb.ui import Dashboard
-    Dashboard(engine)          # Submit, Token stream, Request board, KV page map, Live plots, Config
+    Dashboard(engine)   # Controls, Submit, Token stream, Request board, Request timeline, Why?, Live plots, KV map, Config
 
 Each panel is also usable alone (`SubmitPanel(engine)`, `KVPageMapPanel(engine)`, ...). Names load lazily so that
 `import cbnb.ui` stays cheap.
@@ -22,6 +22,10 @@ _LAZY = {
     "KVPageMapPanel": "cbnb.ui.kvmap",
     "LivePlotsPanel": "cbnb.ui.plots",
     "ConfigPanel": "cbnb.ui.config_panel",
+    "ControlsPanel": "cbnb.ui.controls",
+    "TimelinePanel": "cbnb.ui.timeline",
+    "WhyPanel": "cbnb.ui.why",
+    "Selection": "cbnb.ui.selection",
     "Poller": "cbnb.ui.poller",
     "Panel": "cbnb.ui.base",
     "attach_headless_dashboard": "cbnb.ui.headless",
