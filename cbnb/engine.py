@@ -23,7 +23,6 @@ comes back once no other engine uses the model. Keep the engine referenced while
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -37,11 +36,12 @@ from .cache.sizing import MemoryPlan
 from .cache.snapshot import KVSnapshot, kv_snapshot
 from .config import ContinuousBatchingConfig
 from .handle import RequestHandle, check_timeout
-from .inbox import EngineStoppedError, Reconfigure, StepOnce
+from .inbox import EngineStoppedError, Reconfigure
 from .loop import finalize, start as start_loop
 from .phases import LoopState
 from .prompts import prompt_ids, prompt_preview, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
+from .step_mode import StepMode
 from .telemetry import Recorder
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
 
 
-class Engine:
+class Engine(StepMode):
     """A continuous-batching engine for one transformers causal LM.
 
     Args:
@@ -296,8 +296,9 @@ class Engine:
         return self._loop.cancel_all()
 
     def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
-        """Apply a new config between runs. Unfinished requests are kept: they restart from their prompt and the
-        tokens generated so far (their KV is recomputed in the new cache). Returns the resolved config.
+        """Apply a new config now, also while requests run. Unfinished requests are kept: they restart from their
+        prompt and the tokens generated so far (their KV is recomputed in the new cache). A `RunStarted` event
+        ("reconfigure", the changed fields) marks the change. Returns the resolved config.
 
         Raises:
             ValueError / MemoryError: when the new config cannot be applied (the old one stays in force).
@@ -314,92 +315,13 @@ class Engine:
             with loop.lock:
                 loop.rebuild(config)
             return self.config
-        before = self.config
         msg = Reconfigure(config)
         loop.inbox.control(msg)
         if not msg.done.wait(timeout):
             raise TimeoutError("reconfigure did not complete")
         if msg.error is not None:
             raise msg.error
-        loop.recorder.mark_run("reconfigure", _config_changes(before, self.config))
         return self.config
-
-    # ------------------------------------------------------------------------------------------ step mode
-    @property
-    def paused(self) -> bool:
-        """True while the step mode holds the loop (`pause()` or `step()`; `resume()` ends it)."""
-        return self._loop.paused
-
-    def pause(self, wait: bool = True, timeout: float | None = 30.0) -> bool:
-        """Hold the loop after the step now running: no step is planned until `step()` or `resume()`. Submissions
-        are still admitted (they wait PENDING), cancellations and reconfigures still apply. Also before `start()`:
-        the loop then starts paused. `generate()` waits while paused.
-
-        Args:
-            wait: return once the loop holds (the last step applied); only while the engine is running.
-            timeout: seconds `wait` waits at most (None: no limit).
-
-        Returns:
-            True when the loop holds (or will, at its start); False when `wait` timed out.
-        """
-        timeout = check_timeout(timeout)
-        loop = self._loop
-        loop.paused = True
-        loop.inbox.wakeup.set()
-        if wait and loop.state == "running" and loop.thread is not threading.current_thread():
-            return loop.parked.wait(timeout)
-        return True
-
-    def step(self, timeout: float | None = 60.0) -> int | None:
-        """Run exactly one scheduling step (drain, plan, forward, apply), then hold again: the loop is paused
-        afterwards whether it was before or not. Starts the engine if it was never started.
-
-        Returns:
-            the step's number (its `StepPlanned` event has it), or None when no request was waiting or running.
-
-        Raises:
-            TimeoutError: the step did not complete within `timeout` seconds (it still runs).
-            EngineStoppedError: the engine is stopping, stopped, or dead.
-        """
-        timeout = check_timeout(timeout)
-        loop = self._loop
-        loop.paused = True  # before the thread may start, so that it starts held
-        self._ensure_running()
-        msg = StepOnce()
-        loop.inbox.control(msg)
-        if not msg.done.wait(timeout):
-            raise TimeoutError("the step did not complete in time")
-        if msg.error is not None:
-            raise msg.error
-        return msg.step_id
-
-    def resume(self) -> None:
-        """End the step mode's pause: steps run freely again (at most `step_rate` per second when set)."""
-        self._loop.paused = False
-        self._loop.inbox.wakeup.set()
-
-    @property
-    def step_rate(self) -> float | None:
-        """Slow motion: steps per second at most, or None (no cap). Set it with `set_step_rate`."""
-        return self._loop.step_rate
-
-    def set_step_rate(self, steps_per_s: float | None) -> None:
-        """Slow motion for teaching: plan at most `steps_per_s` steps per second (None or 0: no cap). Messages
-        (submissions, cancellations, stop) are still handled at once between steps.
-
-        Raises:
-            ValueError: `steps_per_s` is not a number in [0, 1000].
-        """
-        if steps_per_s is not None:
-            try:
-                rate = float(steps_per_s)
-            except (TypeError, ValueError):
-                raise ValueError(f"steps_per_s must be a number in [0, 1000] or None; got {steps_per_s!r}") from None
-            if not (0 <= rate <= 1000) or isinstance(steps_per_s, bool):
-                raise ValueError(f"steps_per_s must be a number in [0, 1000] or None; got {steps_per_s!r}")
-            steps_per_s = rate or None
-        self._loop.step_rate = steps_per_s
-        self._loop.inbox.wakeup.set()
 
     # ------------------------------------------------------------------------------------------ stories
     def explain(self, request_id: str) -> "RequestStory":
@@ -470,12 +392,3 @@ class Engine:
         return (f"Engine({type(self.model).__name__}, {self.state}, page_size={c.page_size}, "
                 f"num_blocks={c.num_blocks}, max_batch_tokens={c.max_batch_tokens}, scheduler={c.scheduler_type})")
 
-
-def _config_changes(old: ContinuousBatchingConfig, new: ContinuousBatchingConfig) -> str:
-    """The resolved fields that differ, e.g. "page_size=16, safety_margin=0.3" ("no change" when none)."""
-    parts = []
-    for f in dataclasses.fields(new):
-        a, b = getattr(old, f.name, None), getattr(new, f.name, None)
-        if a != b:
-            parts.append(f"{f.name}={b!r}" if isinstance(b, str) else f"{f.name}={b}")
-    return ", ".join(parts) or "no change"

@@ -28,6 +28,7 @@ Engine nobody references is collected, and its finalizer (`cbnb.loop.finalize`) 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -40,7 +41,7 @@ from .plan import StepResult, StepWork
 from .requests import Request, RequestState
 from .telemetry import Recorder
 
-__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED"]
+__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes"]
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED_ERROR = "engine stopped"  # the error of requests a stop() cancelled
@@ -121,7 +122,7 @@ class LoopState:
         carry = self.core.take_unfinished()
         was_active = self.runner.active
         self.runner.deactivate()
-        old = self.user_config
+        old, before = self.user_config, self.config
         self.runner.release()  # free the old pool first: sizing measures free memory
         self.store = self.cache = None
         self.builder.empty_device_cache()
@@ -133,6 +134,7 @@ class LoopState:
         finally:
             if was_active:
                 self.runner.activate()
+        self.recorder.mark_run("reconfigure", config_changes(before, self.config))
 
     def release(self) -> None:
         """Drop the parts for good (the engine is gone): the KV pool and the runner's buffers are freed now."""
@@ -363,3 +365,13 @@ class LoopState:
         self.recorder.request_done(req)
         self.recent.append(req)
         self.handles.finish(req)  # its output is built on the caller's side, when asked
+
+
+def config_changes(old: Any, new: Any) -> str:
+    """The fields of two (resolved) configs that differ, as "page_size=16, safety_margin=0.3" ("no change")."""
+    parts = []
+    for f in dataclasses.fields(new):
+        a, b = getattr(old, f.name, None), getattr(new, f.name, None)
+        if a != b:
+            parts.append(f"{f.name}={b!r}" if isinstance(b, str) else f"{f.name}={b}")
+    return ", ".join(parts) or "no change"

@@ -123,7 +123,7 @@ def test_slow_motion_caps_the_step_rate_and_checks_its_value():
         out = eng.generate([list(range(5, 20))], max_new_tokens=10, eos_token_id=-1, timeout=TIMEOUT)[0]
         elapsed = time.monotonic() - t0
         steps = sum(1 for e in eng.events.events("step_planned"))
-        assert out.state.name == "FINISHED" and steps == 10
+        assert out.state.name == "FINISHED" and steps == 10, (out.state.name, out.error, steps)
         # A cap, not a speed: 10 steps at <= 20 per second take at least 9 intervals of 50 ms.
         assert elapsed >= 9 / 20 - 0.01, elapsed
         eng.set_step_rate(0)

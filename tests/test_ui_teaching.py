@@ -137,7 +137,6 @@ def test_time_series_breaks_lines_at_idle_gaps_and_new_segments():
     ts.add_stats(20.4, stats(12), step=14, run=1)  # a new segment
     step = ts.column("step")
     assert np.isnan(step).tolist() == [False, False, True, False, False, True, False]
-    assert list(ts.gaps) == [{"step": 12.0, "seconds": 18.5}]
     assert ts.column("run")[-1] == 1
 
 

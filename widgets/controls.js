@@ -14,7 +14,7 @@ function initialize({ model }) {
 function render({ model, el }) {
   const f = cbnbFrame(el, model, "cbnb-controls", "Step mode and presentation");
   const row = cbnbEl("div", "cbnb-row cbnb-controls-row");
-  const pause = cbnbEl("button", "cbnb-btn cbnb-pause", "⏸ Pause");
+  const pause = cbnbEl("button", "cbnb-btn cbnb-pause", "Pause");
   pause.title = "Hold the engine after the step now running: panels show the state after the last step, and new "
     + "submissions wait PENDING";
   const step = cbnbEl("button", "cbnb-btn cbnb-primary cbnb-step", "Step ▶|");

@@ -91,7 +91,7 @@ class LivePlotsPanel(Panel):
         poller, autostart: see `Panel`.
 
     Synced state: `steps` and `series` (column name -> float32 bytes; NaN marks a missing value or a line
-    break), `runs` (the segment markers, `series.RunSegments`), `gaps` (idle gaps: {step, seconds}), `reasons`,
+    break), `runs` (the segment markers, `series.RunSegments`), `reasons`,
     `reason_info` (reason -> {label, meaning, fields}), `summary` (latest figures for the header line), `_lib` (the
     `PlotlyLib` model id).
     """
@@ -100,7 +100,6 @@ class LivePlotsPanel(Panel):
     steps = traitlets.Dict().tag(sync=True)
     series = traitlets.Dict().tag(sync=True)
     runs = traitlets.List().tag(sync=True)
-    gaps = traitlets.List().tag(sync=True)
     reasons = traitlets.List(traitlets.Unicode(), default_value=list(SKIP_REASONS)).tag(sync=True)
     reason_info = traitlets.Dict().tag(sync=True)
     summary = traitlets.Dict().tag(sync=True)
@@ -146,9 +145,6 @@ class LivePlotsPanel(Panel):
                 row = self._time_series.add_stats(frame.wall, st, step=step, run=self._runs.current)
                 out["series"] = self._time_series.arrays()
                 out["summary"] = self._summary(st, row)
-                gaps = list(self._time_series.gaps)
-                if gaps != self.gaps:
-                    out["gaps"] = gaps
         return out
 
     def _summary(self, st: dict, row: dict) -> dict[str, Any]:

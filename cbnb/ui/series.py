@@ -178,7 +178,6 @@ class TimeSeries(_Ring):
         self.window_s = window_s
         self._counters: deque[tuple[float, float, float]] = deque()
         self._last: tuple[float, float, int] | None = None  # (wall, step, run) of the newest sample
-        self.gaps: deque[dict[str, float]] = deque(maxlen=32)  # {"step", "seconds"} of idle gaps
 
     def add_stats(self, wall: float, stats: Mapping[str, Any], step: float | None = None,
                   run: int = 0) -> dict[str, float | None]:
@@ -192,8 +191,6 @@ class TimeSeries(_Ring):
             idle = wall - last[0] >= IDLE_GAP_S and step == last[1]
             if run != last[2] or idle:
                 self.append_break()
-            if idle and run == last[2]:
-                self.gaps.append({"step": float(step or 0), "seconds": round(wall - last[0], 1)})
             if run != last[2]:
                 self._counters.clear()  # rates restart with the segment
         self._last = (wall, step, run)

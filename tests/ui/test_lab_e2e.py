@@ -42,6 +42,17 @@ def test_panels_render(session):
     # plots have data from the notebook's run
     n = page.evaluate("() => document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x.length")
     assert n > 0
+    # The skip chart shares the step axis of its neighbour, also while no request was left out (not 0-6).
+    page.locator(".cbnb-plots .js-plotly-plot").nth(1).scroll_into_view_if_needed()
+    page.wait_for_function("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
+        return g[0]._fullLayout && g[1]._fullLayout; }""", timeout=30_000)
+    r0, r1, empty, notes = page.evaluate("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
+        return [g[0]._fullLayout.xaxis.range, g[1]._fullLayout.xaxis.range, g[1].data.length === 0,
+                (g[1].layout.annotations || []).map(a => a.text)]; }""")
+    assert r0 == r1, (r0, r1)
+    if empty:
+        assert "no request was left out in these steps" in notes, notes
+    session.shots("01b-skip-chart-shares-the-step-axis", ".cbnb-plots")
     assert session.errors == [], session.errors
     session.shot("01-after-run-all.png", full_page=True)
 
