@@ -218,8 +218,10 @@ class EngineCore:
         self.scheduler.add_waiting(req)
         work.offloads.append(d)
 
-    def apply(self, work: StepWork, tokens: Mapping[str, int]) -> list[Request]:
+    def apply(self, work: StepWork, tokens: Mapping[str, int], now: float | None = None) -> list[Request]:
         """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
+
+        `now` time-stamps the tokens (default: `time.perf_counter()`; a simulator passes its virtual time).
 
         Registers completed blocks in the prefix index (also those of a request's final step), appends tokens,
         finishes requests on EOS / max_new_tokens and frees their blocks.
@@ -239,7 +241,7 @@ class EngineCore:
                 if tok is None:
                     self._fail(req, f"internal error: step {work.step_id} returned no token")
                     continue
-                done = req.append_token(int(tok))
+                done = req.append_token(int(tok), now)
                 updated.append(req)
                 if done:
                     self._end(req, RequestState.FINISHED)

@@ -3,7 +3,9 @@
 Four kinds of message, each with its own channel so that a flood of one never starves the others:
 
 - **submissions** (FIFO): new requests. The loop takes at most `max_per_turn` per turn, so steps keep running
-  while a thread submits in a tight loop.
+  while a thread submits in a tight loop; and a submitter that finds `high_water` submissions still untaken waits
+  (up to `MAX_WAIT_S`) for the loop to take some: without that back-pressure a producer thread holding the GIL
+  queues hundreds of thousands of requests while the loop runs a few steps, and `stop()` must then end them all.
 - **cancellations** (a set of request ids): all applied every turn, and again right before a step's tokens are
   applied, so a cancel that lands while the step is in flight still wins (see `cbnb.phases.LoopState`).
 - **controls** (FIFO, all taken every turn): `Reconfigure`, `StepOnce` (one step of a paused loop).
@@ -25,6 +27,10 @@ __all__ = ["EngineStoppedError", "Inbox", "Reconfigure", "StepOnce", "MAX_SUBMIS
 
 #: Submissions the loop admits per turn at most (transformers' default `max_requests_per_batch`).
 MAX_SUBMISSIONS_PER_TURN = 1024
+#: Untaken submissions above which `submit` waits for the loop (four turns' worth).
+HIGH_WATER = 4 * MAX_SUBMISSIONS_PER_TURN
+#: The longest a submitter waits for room (then it queues anyway: back-pressure never loses nor deadlocks).
+MAX_WAIT_S = 0.5
 
 
 class EngineStoppedError(RuntimeError):
@@ -55,12 +61,15 @@ class Inbox:
 
     Args:
         max_per_turn: submissions taken per `take_submissions()` call at most.
+        high_water: untaken submissions above which `submit(wait=True)` waits for room (0: never waits).
     """
 
-    def __init__(self, max_per_turn: int = MAX_SUBMISSIONS_PER_TURN) -> None:
+    def __init__(self, max_per_turn: int = MAX_SUBMISSIONS_PER_TURN, high_water: int = HIGH_WATER) -> None:
         self.max_per_turn = max_per_turn
+        self.high_water = high_water
         self.wakeup = threading.Event()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when the loop takes submissions or the inbox closes
         self._submissions: deque = deque()
         self._controls: deque = deque()
         self._cancels: set[str] = set()
@@ -68,13 +77,20 @@ class Inbox:
         self.stop_mode: str | None = None  # None, "drain" or "cancel"
 
     # ---------------------------------------------------------------- API threads
-    def submit(self, item: Any, register: Callable[[], None] | None = None) -> None:
+    def submit(self, item: Any, register: Callable[[], None] | None = None, wait: bool = True) -> None:
         """Queue a submission; `register()` runs first, atomically with the check that the inbox is open.
+
+        With `wait` (any thread but the loop's), a submitter finding `high_water` submissions untaken first waits up
+        to `MAX_WAIT_S` for the loop to take some (the loop's pace, not the producer's, sets the queue's length).
 
         Raises:
             EngineStoppedError: the inbox is closed (its message says why).
         """
         with self._lock:
+            if wait and self.high_water and len(self._submissions) >= self.high_water and self._closed is None:
+                self.wakeup.set()
+                self._room.wait_for(lambda: len(self._submissions) < self.high_water or self._closed is not None,
+                                    MAX_WAIT_S)
             if self._closed is not None:
                 raise EngineStoppedError(self._closed)
             if register is not None:
@@ -99,6 +115,7 @@ class Inbox:
                 self._closed = reason
             if self.stop_mode != "cancel":
                 self.stop_mode = "drain" if drain else "cancel"
+            self._room.notify_all()
         self.wakeup.set()
 
     # ---------------------------------------------------------------- the loop
@@ -108,6 +125,8 @@ class Inbox:
             n = min(len(self._submissions), self.max_per_turn)
             out = [self._submissions.popleft() for _ in range(n)]
             more = bool(self._submissions)
+            if n:
+                self._room.notify_all()
         if more:
             self.wakeup.set()
         return out
@@ -140,6 +159,7 @@ class Inbox:
         never taken)."""
         with self._lock:
             self._closed = reason
+            self._room.notify_all()
             subs, ctrls = list(self._submissions), list(self._controls)
             self._submissions.clear()
             self._controls.clear()

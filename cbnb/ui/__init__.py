@@ -3,7 +3,8 @@
 ::
 
     from cbnb.ui import Dashboard
-    Dashboard(engine)   # Controls, Submit, Token stream, Request board, Request timeline, Why?, Live plots, KV map, Config
+    Dashboard(engine)   # Controls, Submit, Token stream, Request board, Request timeline, Why?, Live plots, KV map,
+                        # Config, Server, Runs
 
 Each panel is also usable alone (`SubmitPanel(engine)`, `KVPageMapPanel(engine)`, ...). Names load lazily so that
 `import cbnb.ui` stays cheap.
@@ -26,6 +27,8 @@ _LAZY = {
     "TimelinePanel": "cbnb.ui.timeline",
     "WhyPanel": "cbnb.ui.why",
     "Selection": "cbnb.ui.selection",
+    "ServerPanel": "cbnb.ui.server_panel",
+    "RunsPanel": "cbnb.ui.runs_panel",
     "Poller": "cbnb.ui.poller",
     "Panel": "cbnb.ui.base",
     "attach_headless_dashboard": "cbnb.ui.headless",

@@ -12,7 +12,9 @@ from .controls import ControlsPanel
 from .kvmap import KVPageMapPanel
 from .plots import LivePlotsPanel
 from .poller import Poller
+from .runs_panel import RunsPanel
 from .selection import Selection
+from .server_panel import ServerPanel
 from .stream import TokenStreamPanel
 from .submit import SubmitPanel
 from .timeline import TimelinePanel
@@ -23,7 +25,7 @@ __all__ = ["Dashboard"]
 
 class Dashboard(widgets.VBox):
     """The engine's dashboard: Controls (step mode, presentation), Submit, Token stream, Request board, Request
-    timeline, Why?, Live plots, KV page map and Config.
+    timeline, Why?, Live plots, KV page map, Config, Server and Runs.
 
     Args:
         engine: a `cbnb.Engine` (started or not; submitting starts it).
@@ -32,7 +34,8 @@ class Dashboard(widgets.VBox):
         start: start the poller now.
 
     Attributes:
-        controls, submit, stream, board, timeline, why, kvmap, plots, config: the panels (each also usable alone).
+        controls, submit, stream, board, timeline, why, kvmap, plots, config, server, runs: the panels (each also
+            usable alone).
         poller: the `Poller` feeding them.
         selection: the shared `Selection`: a request clicked in the board, the stream, the timeline or the page map
             opens its story in `why` and lights up its blocks in `kvmap`.
@@ -54,6 +57,8 @@ class Dashboard(widgets.VBox):
         self.kvmap = KVPageMapPanel(engine, always_snapshot=always_snapshot, **kw)
         self.plots = LivePlotsPanel(engine, **kw)
         self.config = ConfigPanel(engine, **kw)
+        self.server = ServerPanel(engine, **kw)
+        self.runs = RunsPanel(engine, **kw)
         self.selection = Selection()
         self._wire_selection()
         for p, width in ((self.submit, "50%"), (self.stream, "50%"), (self.kvmap, "40%"), (self.config, "60%")):
@@ -61,7 +66,8 @@ class Dashboard(widgets.VBox):
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         row2 = widgets.HBox([self.kvmap, self.config], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         self._rows = [row1, row2]
-        super().__init__([self.controls, row1, self.board, self.timeline, self.why, self.plots, row2],
+        super().__init__([self.controls, row1, self.board, self.timeline, self.why, self.plots, row2,
+                          self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
         if start:
@@ -78,7 +84,8 @@ class Dashboard(widgets.VBox):
     @property
     def panels(self) -> list:
         # getattr: close() also runs from ipywidgets' __del__ on a Dashboard whose __init__ raised half way.
-        names = ("controls", "submit", "stream", "board", "timeline", "why", "kvmap", "plots", "config")
+        names = ("controls", "submit", "stream", "board", "timeline", "why", "kvmap", "plots", "config", "server",
+                 "runs")
         return [p for p in (getattr(self, n, None) for n in names) if p is not None]
 
     def close(self) -> None:

@@ -126,7 +126,8 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
 
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
-                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason", "prompt_text")
+                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason", "prompt_text",
+                 "source")
 
 
 def request_rows(requests: Sequence[Any], max_finished: int = 64,
@@ -156,6 +157,7 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64,
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
             int(r.num_soft_resets), r.error or "", getattr(r, "warning", None) or "", r.finish_reason or "",
             label(r) if label is not None else prompt_label(r),
+            getattr(r, "source", None) or "",
         ])
     return rows, counts, hidden
 
