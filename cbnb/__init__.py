@@ -18,6 +18,7 @@ _LAZY = {
     "RequestOutput": "cbnb.requests",
     "SamplingParams": "cbnb.requests",
     "TokenDelta": "cbnb.requests",
+    "TokenLogprob": "cbnb.requests",
     "Engine": "cbnb.engine",
     "RequestHandle": "cbnb.engine",
     "EngineStoppedError": "cbnb.engine",

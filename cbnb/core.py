@@ -25,7 +25,7 @@ Fault rules (where transformers would crash or lose work):
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .cache.manager import CacheManager
 from .config import ContinuousBatchingConfig
@@ -218,19 +218,22 @@ class EngineCore:
         self.scheduler.add_waiting(req)
         work.offloads.append(d)
 
-    def apply(self, work: StepWork, tokens: Mapping[str, int], now: float | None = None) -> list[Request]:
+    def apply(self, work: StepWork, tokens: Mapping[str, int], logprobs: Mapping[str, Any] | None = None,
+              invalid: Mapping[str, str] | None = None, now: float | None = None) -> list[Request]:
         """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
 
         `now` time-stamps the tokens (default: `time.perf_counter()`; a simulator passes its virtual time).
 
-        Registers completed blocks in the prefix index (also those of a request's final step), appends tokens,
-        finishes requests on EOS / max_new_tokens and frees their blocks.
+        Registers completed blocks in the prefix index (also those of a request's final step), appends tokens (with
+        their `TokenLogprob` from `logprobs`), finishes requests on EOS / a stop string / max_new_tokens and frees
+        their blocks. A request in `invalid` (its logits were not finite) fails with that error; the others go on.
 
         Returns:
             requests that received a token (finished ones included).
         """
         updated = []
         register = self.cache.register_completed
+        lps = logprobs or {}
         for s in work.plan.scheduled:
             req = s.request
             if req.state >= _FINISHED:
@@ -239,9 +242,10 @@ class EngineCore:
             if s.samples:
                 tok = tokens.get(req.request_id)
                 if tok is None:
-                    self._fail(req, f"internal error: step {work.step_id} returned no token")
+                    error = (invalid or {}).get(req.request_id)
+                    self._fail(req, error or f"internal error: step {work.step_id} returned no token")
                     continue
-                done = req.append_token(int(tok), now)
+                done = req.append_token(int(tok), now, logprob=lps.get(req.request_id))
                 updated.append(req)
                 if done:
                     self._end(req, RequestState.FINISHED)

@@ -42,10 +42,12 @@ from .handle import RequestHandle, check_timeout
 from .inbox import EngineStoppedError, Reconfigure
 from .loop import finalize, start as start_loop
 from .phases import LoopState
+from .generation import REQUEST_ARGS, GenerationDefaults
 from .prompts import prompt_ids, prompt_preview, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
 from .runs import RunLog
 from .step_mode import StepMode
+from .stops import StopMatcher
 from .telemetry import Recorder
 
 if TYPE_CHECKING:
@@ -66,6 +68,10 @@ class Engine(StepMode):
         telemetry: record typed events in `engine.events` (an `EventLog`) and KV usage samples; off, only the
             counters and latencies of `engine.stats()` are kept.
         event_log_size: events retained by `engine.events` (oldest dropped first).
+        generation_config: a transformers `GenerationConfig` (or a dict of its fields) giving every request its
+            defaults, as ``init_continuous_batching(generation_config=...)``; None: ``model.generation_config``. A
+            request's own arguments override it (`submit`). Logits processors cbnb does not implement follow
+            `config.drop_unsupported_processors` (dropped with a warning, or a `ValueError`); see `cbnb.generation`.
         runs: the run log to keep: a `cbnb.runs.RunLog` (e.g. shared with another engine), or a JSON-lines file
             path to persist it (its entries are loaded first, so a restarted notebook keeps its history; every new
             entry is appended; a file keeps the base config it was started with); None: a fresh in-memory log
@@ -83,8 +89,9 @@ class Engine(StepMode):
             survives `reconfigure`.
 
     Raises:
-        ValueError: for an unsupported model (attention types other than full/sliding), or a `runs` file holding
-            a line that is not a run-log entry.
+        ValueError: for an unsupported model (attention types other than full/sliding), a generation config that
+            continuous batching cannot follow (naming the field), or a `runs` file holding a line that is not a
+            run-log entry.
         MemoryError: when the cache cannot be sized in the available memory.
     """
 
@@ -95,7 +102,7 @@ class Engine(StepMode):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None,
                  config: ContinuousBatchingConfig | None = None, *, device: torch.device | str | None = None,
-                 telemetry: bool = True, event_log_size: int = 100_000,
+                 telemetry: bool = True, event_log_size: int = 100_000, generation_config: Any = None,
                  runs: RunLog | str | os.PathLike | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -106,6 +113,9 @@ class Engine(StepMode):
         self.max_positions: int | None = builder.max_positions
         emb = model.get_input_embeddings()
         self.vocab_size = int(getattr(emb, "num_embeddings", builder.spec["vocab_size"]))
+        gen = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+        self.generation_defaults = GenerationDefaults(gen)
+        self.generation_defaults.check((config or ContinuousBatchingConfig()).drop_unsupported_processors)
         self.default_eos = self._default_eos()
         self._loop = LoopState(builder, Recorder(self.telemetry, event_log_size))
         self._loop.install(config or ContinuousBatchingConfig())
@@ -124,8 +134,10 @@ class Engine(StepMode):
         return cls(model, tokenizer=tokenizer, config=config)
 
     def _default_eos(self) -> frozenset[int]:
-        gc = getattr(self.model, "generation_config", None)
-        eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+        eos = self.generation_defaults.eos_token_id
+        if eos is None:
+            gc = getattr(self.model, "generation_config", None)
+            eos = getattr(gc, "eos_token_id", None) if gc is not None else None
         if eos is None and self.tokenizer is not None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
         return SamplingParams.normalize_eos(eos)
@@ -272,40 +284,66 @@ class Engine(StepMode):
         """
         return prompt_ids(prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size, chat=chat)
 
-    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               request_id: str | None = None, *, ignore_eos: bool = False, chat: bool | None = None,
-               source: str | None = None) -> RequestHandle:
+               request_id: str | None = None, *, ignore_eos: bool | None = None, chat: bool | None = None,
+               source: str | None = None, min_p: float | None = None, min_new_tokens: int | None = None,
+               min_length: int | None = None, repetition_penalty: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
+               sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
+               suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
+               forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
+
+        Every generation argument left None takes the engine's default (its `generation_config`, see
+        `cbnb.generation`), and else greedy decoding with no processor; the neutral value turns a default off
+        (``top_k=0``, ``top_p=1.0``, ``repetition_penalty=1.0``...). The order in which processors apply and their
+        formulas: `cbnb.sampling_params`.
 
         Args:
             prompt: text, chat messages, token ids or a tokenizer output (see `encode`).
             max_new_tokens: tokens to generate at most; None: up to the model's max positions.
-            do_sample, temperature, top_k, top_p, seed: sampling (greedy by default).
-            eos_token_id: stop id(s); None: the model's EOS.
+            do_sample, temperature, top_k, top_p, min_p, seed: sampling (greedy by default; a temperature below
+                1e-5 is greedy).
+            eos_token_id: stop id(s); None: the generation config's, else the model's EOS.
             request_id: a unique id (default: "req-N").
             ignore_eos: never stop on EOS (benchmarks).
             chat: apply the chat template to a text prompt (None: when the tokenizer has one).
             source: who sent it (free text, at most `cbnb.requests.MAX_SOURCE_CHARS` characters), carried on the
                 request's outputs and shown on the dashboard's board; the HTTP server passes "http <host:port>".
                 None: a call from Python.
+            min_new_tokens, min_length, repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias,
+                suppress_tokens, begin_suppress_tokens, forced_bos_token_id, forced_eos_token_id: transformers'
+                logits processors (GenerationConfig's names and ranges).
+            frequency_penalty, presence_penalty: OpenAI's penalties in [-2, 2], over the generated tokens.
+            logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits.
+            stop: stop string(s): generation ends when one appears; the output text ends before it (needs a
+                tokenizer; see `cbnb.stops`).
+            logprobs: 0..20: each token's logprob and that many most likely alternatives (`TokenLogprob`, in the
+                output and in every streamed delta); None: only when `config.return_logprobs` (then 0).
 
         Raises:
             TypeError: a prompt form that is not accepted, or a `source` that is not a string.
-            ValueError: bad prompt or sampling values (the message names the field), a duplicate request_id, a
-                `source` that is too long, or a prompt with no room to generate within the model's max positions.
+            ValueError: bad prompt or generation values (the message names the field and its range; token ids in
+                the arguments must lie in the vocabulary), a duplicate request_id, a `source` that is too long, or
+                a prompt with no room to generate within the model's max positions.
             queue.Full: when `config.max_queue_size` requests are already unfinished (0 = unbounded).
             EngineStoppedError: once `stop()` began, or after the engine died.
         """
+        args = {k: v for k, v in locals().items() if k in REQUEST_ARGS}
+        if args["logprobs"] is None and self.config.return_logprobs:
+            args["logprobs"] = 0
         self._ensure_running()
         ids = self.encode(prompt, chat)
-        sp, cap = sampling_params(len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  eos_token_id=eos_token_id, ignore_eos=ignore_eos, default_eos=self.default_eos,
+        sp, cap = sampling_params(len(ids), self.generation_defaults.resolve(args), eos_token_id=eos_token_id,
+                                  default_eos=self.default_eos, vocab_size=self.vocab_size,
                                   max_positions=self.max_positions)
+        stopper = StopMatcher(self.tokenizer, sp.stop) if sp.stop else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, sp, max_new_tokens_cap=cap, source=source)
+        req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper, source=source)
         req.prompt_text = prompt_preview(prompt)
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
         self._loop.submit(req, handle)
@@ -320,8 +358,8 @@ class Engine(StepMode):
                 batched tokenizer output (one prompt per row, padding dropped by its attention mask).
             timeout: seconds to wait for all of them (None: no limit).
             source: who sent them (as `submit`), the same for every prompt.
-            sampling: the other keywords of `submit` (do_sample, temperature, top_k, top_p, seed, eos_token_id,
-                ignore_eos, chat).
+            sampling: the other keywords of `submit` (sampling, logits processors, eos_token_id, ignore_eos, chat,
+                stop, logprobs).
 
         Raises:
             TypeError: `prompts` is a single prompt (a string, one list of ids: wrap it in a list, or use `submit`).
@@ -371,6 +409,8 @@ class Engine(StepMode):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         timeout = check_timeout(timeout)
         self._builder.check(config)  # cheap checks before anything changes
+        if not config.drop_unsupported_processors:
+            self.generation_defaults.check(False)
         loop = self._loop
         old = self.user_config
         if loop.state != "running":
@@ -453,9 +493,9 @@ class Engine(StepMode):
         with self._loop.lock:
             live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
             ended = list(self._loop.recent)
-        for r in ended:  # decoded once, here on the caller's side (the engine thread never decodes)
-            if self.tokenizer is not None and not r.text and r.output_ids:
-                r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        for r in ended:  # decoded once, here on the caller's side (the engine thread decodes only stop strings)
+            if r.output_ids:
+                r.decode_text(self.tokenizer)
         return [r.output() for r in live] + [r.output() for r in ended]
 
     def memory_split(self) -> dict[str, int]:

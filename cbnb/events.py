@@ -187,12 +187,14 @@ class StepTiming(Event):
 
 @dataclass
 class RequestAdded(Event):
-    """A request was submitted."""
+    """A request was submitted; `processors`: what it applies to its logits, in order
+    (`SamplingParams.describe`, e.g. ("repetition_penalty=1.2", "temperature=0.7", "top_p=0.9"))."""
 
     kind: ClassVar[str] = "request_added"
     request_id: str = ""
     prompt_tokens: int = 0
     max_new_tokens: int | None = None
+    processors: tuple[str, ...] = ()
 
 
 @dataclass

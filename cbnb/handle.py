@@ -110,8 +110,8 @@ class RequestHandle:
             except RuntimeError:
                 pass  # the consumer's loop is closed
 
-    def _push(self, token_ids: list[int], state: RequestState) -> None:
-        self._q.put((token_ids, state))
+    def _push(self, token_ids: list[int], state: RequestState, logprobs: list | None = None) -> None:
+        self._q.put((token_ids, state, logprobs))
         self._wake()
 
     def _finish(self, request: Request) -> None:
@@ -129,8 +129,7 @@ class RequestHandle:
             if self._final is None:
                 req = self._ended
                 assert req is not None
-                if self._tokenizer is not None and not req.text:
-                    req.text = self._tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                req.decode_text(self._tokenizer)
                 self._final = req.output()
             return self._final
 
@@ -168,12 +167,18 @@ class RequestHandle:
             self._stream = _Detok(self._tokenizer)
         if item is _FINAL:
             out = self._output()
-            rest = out.token_ids[len(self._stream.ids):]
+            done = len(self._stream.ids)
+            rest = out.token_ids[done:]
+            shown = self._stream.text
             text = self._stream.push(rest, final=True)
+            if out.finish_reason == "stop":  # the text ends before the stop string, maybe inside a token
+                text = out.text[len(shown):]
+                self._stream.text = out.text
             self._consumed = True
-            return TokenDelta(self.request_id, rest, text, out.state, True, out.error)
-        ids, state = item
-        return TokenDelta(self.request_id, ids, self._stream.push(ids), state, False, None)
+            lps = None if out.logprobs is None else out.logprobs[done:]
+            return TokenDelta(self.request_id, rest, text, out.state, True, out.error, lps)
+        ids, state, lps = item
+        return TokenDelta(self.request_id, ids, self._stream.push(ids), state, False, None, lps)
 
     def __iter__(self) -> Iterator[TokenDelta]:
         while not self._consumed:
@@ -256,12 +261,14 @@ class HandleTable:
     def __bool__(self) -> bool:
         return bool(self._handles)
 
-    def deliver(self, request_id: str, token_ids: list[int], state: RequestState) -> None:
-        """Stream new tokens to the request's handle (if it still has one)."""
+    def deliver(self, request_id: str, token_ids: list[int], state: RequestState,
+                logprobs: list | None = None) -> None:
+        """Stream new tokens (and their `TokenLogprob`s, when asked for) to the request's handle (if it still has
+        one)."""
         with self._lock:
             h = self._handles.get(request_id)
         if h is not None:
-            h._push(token_ids, state)
+            h._push(token_ids, state, logprobs)
 
     def finish_many(self, requests: list[Request]) -> None:
         """`finish` for many requests under one lock (the engine stopping with a long queue)."""

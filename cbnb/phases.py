@@ -284,15 +284,24 @@ class LoopState:
         t1 = self.clock()
         with self.lock:
             self._settle_cancels()
-            for req in self.core.apply(step.work, result.tokens):
+            for req in self.core.apply(step.work, result.tokens, result.logprobs, result.invalid):
                 if not req.is_terminal:
-                    self.handles.deliver(req.request_id, req.output_ids[-1:], req.state)
+                    self._stream(req)
             t2 = self.clock()
             self.recorder.step_done(step.work, result, max(step.t0, self._last_end), t1, t2)
             self._last_end = t2
         self.failures = 0
         self.recorder.flush()
         self._step_done()
+
+    def _stream(self, req: Request) -> None:
+        """Deliver the request's new tokens that may be streamed (with stop strings: those that cannot be part of
+        one) to its handle."""
+        end = req.stream_limit
+        if end > req.streamed:
+            lps = None if req.logprobs is None else req.logprobs[req.streamed:end]
+            self.handles.deliver(req.request_id, req.output_ids[req.streamed:end], req.state, lps)
+            req.streamed = end
 
     def fail(self, step: Step, error: Exception) -> bool:
         """Fail a step's requests (its forward raised). True when the engine must die (too many in a row)."""

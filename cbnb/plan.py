@@ -171,7 +171,10 @@ class StepResult:
     """What a runner returns for one step.
 
     Attributes:
-        tokens: request_id -> sampled token id, for the requests that sampled.
+        tokens: request_id -> sampled token id, for the requests that sampled (and whose logits were finite).
+        logprobs: request_id -> the token's `TokenLogprob`, for the requests that want logprobs.
+        invalid: request_id -> error, for the requests whose logits were not finite this step (they fail; the
+            others go on).
         timings: seconds per phase ("offload_copy", "prepare", "forward", "sample"; a runner may add others).
         copied_bytes: bytes moved by the step's swap-out and restore copies.
         graph_counts: (CUDA graphs captured, graphs replayed[, failed captures]) in this step.
@@ -187,3 +190,5 @@ class StepResult:
     graph_captured: list[tuple] = field(default_factory=list)
     graph_failed: list[tuple[tuple, str]] = field(default_factory=list)
     backend: str = ""
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    invalid: dict[str, str] = field(default_factory=dict)

@@ -185,20 +185,25 @@ def split_batch(prompts: Any) -> list[Any]:
     return items
 
 
-def sampling_params(prompt_len: int, *, max_new_tokens: Any = None, do_sample: Any = False, temperature: Any = 1.0,
-                    top_k: Any = None, top_p: Any = None, seed: Any = None, eos_token_id: Any = None,
-                    ignore_eos: Any = False, default_eos: frozenset[int] = frozenset(),
+def sampling_params(prompt_len: int, args: Mapping[str, Any], *, eos_token_id: Any = None,
+                    default_eos: frozenset[int] = frozenset(), vocab_size: int | None = None,
                     max_positions: int | None = None) -> tuple[SamplingParams, int | None]:
     """A request's `SamplingParams` and its token cap (max positions minus the prompt; None: no cap).
 
-    `eos_token_id` None means `default_eos` (the model's); a `max_new_tokens` above the cap is lowered to it.
+    Args:
+        prompt_len: the prompt's length in tokens.
+        args: SamplingParams keyword arguments (the request's, over the engine's defaults: `GenerationDefaults`).
+        eos_token_id: the request's EOS id(s); None means `default_eos` (the generation config's, or the model's).
+        vocab_size: token ids in the arguments must lie in [0, vocab_size) (None: unchecked).
+        max_positions: a `max_new_tokens` above the cap is lowered to it.
 
     Raises:
         ValueError: naming the field, for any bad value, or a prompt that leaves no room to generate.
     """
     eos = default_eos if eos_token_id is None else SamplingParams.normalize_eos(eos_token_id, "eos_token_id")
-    sp = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, eos_token_ids=eos, ignore_eos=ignore_eos)
+    sp = SamplingParams(**dict(args), eos_token_ids=eos)
+    if vocab_size is not None:
+        sp.check_vocab(vocab_size)
     cap = None
     if max_positions:
         cap = max_positions - prompt_len

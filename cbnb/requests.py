@@ -28,7 +28,9 @@ import itertools
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
+
+from .sampling_params import SamplingParams
 
 __all__ = [
     "CACHE_EXHAUSTED",
@@ -41,6 +43,7 @@ __all__ = [
     "RequestOutput",
     "RequestTimings",
     "TokenDelta",
+    "TokenLogprob",
 ]
 
 
@@ -59,10 +62,11 @@ class RequestState(enum.IntEnum):
         return self >= RequestState.FINISHED
 
 
-#: Finish reasons of a terminal request: FINISHED ends with "eos", "length" or "cache_exhausted" (it outgrew the
-#: whole KV cache, see `cbnb.core`); CANCELLED with "cancelled"; FAILED with "error".
+#: Finish reasons of a terminal request: FINISHED ends with "eos", "length", "stop" (a stop string appeared, see
+#: `cbnb.stops`) or "cache_exhausted" (it outgrew the whole KV cache, see `cbnb.core`); CANCELLED with "cancelled";
+#: FAILED with "error".
 CACHE_EXHAUSTED = "cache_exhausted"
-FINISH_REASONS = ("eos", "length", CACHE_EXHAUSTED, "cancelled", "error")
+FINISH_REASONS = ("eos", "length", "stop", CACHE_EXHAUSTED, "cancelled", "error")
 
 _S = RequestState
 ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
@@ -77,81 +81,6 @@ ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 
 class IllegalTransition(RuntimeError):
     """Raised when a request is moved to a state that its current state does not allow."""
-
-
-def _pos_int(name: str, v: Any, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}; got {v!r}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples.
-
-    Attributes:
-        max_new_tokens: tokens to generate at most (>= 1), or None: bounded by the model's max positions.
-        do_sample: False -> greedy (argmax); True -> sample from the processed distribution.
-        temperature: > 0; applied before top-k/top-p when sampling.
-        top_k: keep the k most likely tokens (>= 1), or None for no top-k.
-        top_p: nucleus mass in (0, 1], or None for no top-p.
-        seed: per-request RNG seed (an int), or None for the engine's RNG.
-        eos_token_ids: token ids that end the request (the EOS token is included in the output). Negative ids are
-            ignored, as in transformers (-1 means "no EOS").
-        ignore_eos: never stop on EOS (benchmarks).
-
-    Raises:
-        ValueError: naming the field and its allowed range.
-    """
-
-    max_new_tokens: int | None = None
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    eos_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens is not None:
-            _pos_int("max_new_tokens", self.max_new_tokens, 1)
-        if not isinstance(self.do_sample, bool):
-            raise ValueError(f"do_sample must be True or False; got {self.do_sample!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0) or t == float("inf"):
-            raise ValueError(f"temperature must be a finite number > 0; got {t!r}")
-        if self.top_k is not None:
-            _pos_int("top_k", self.top_k, 1)
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1)):
-            raise ValueError(f"top_p must be a number in (0, 1] or None; got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False; got {self.ignore_eos!r}")
-        object.__setattr__(self, "eos_token_ids", self.normalize_eos(self.eos_token_ids, "eos_token_ids"))
-
-    @staticmethod
-    def normalize_eos(eos: int | Iterable[int] | None, name: str = "eos_token_id") -> frozenset[int]:
-        """An EOS spec (an id, a list/tuple/set of ids, or None) as a set of non-negative ids.
-
-        Raises:
-            ValueError: naming `name`, for anything else (text, floats, bools, nested lists).
-        """
-        if eos is None:
-            return frozenset()
-        items = eos if isinstance(eos, (list, tuple, set, frozenset)) else [eos]
-        ids = []
-        for i in items:
-            try:
-                v = operator.index(i) if not isinstance(i, bool) else None
-            except TypeError:
-                v = None
-            if v is None:
-                raise ValueError(f"{name} must be a token id, a list of token ids or None; got {eos!r}")
-            if v >= 0:
-                ids.append(int(v))
-        return frozenset(ids)
 
 
 @dataclass
@@ -212,7 +141,7 @@ class Request:
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
         "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "prompt_text",
-        "token_times", "source", "_phase_has_output",
+        "token_times", "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason", "dropped",
     )
 
     def __init__(
@@ -223,6 +152,7 @@ class Request:
         *,
         max_new_tokens_cap: int | None = None,
         now: float | None = None,
+        stopper: Any = None,
         source: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -274,6 +204,12 @@ class Request:
         self.text: str = ""
         self.user_data: Any = None
         self.prompt_text: str | None = None  # the words typed (text prompts and chat messages), for display
+        # Per generated token (None: not asked for), see `TokenLogprob`.
+        self.logprobs: list[TokenLogprob] | None = [] if self.sampling.logprobs is not None else None
+        self.stopper = stopper  # a `cbnb.stops.StopMatcher` when the request has stop strings
+        self.streamed = 0  # generated tokens delivered to the request's handle
+        self.stop_reason: str | None = None  # the stop string that ended it (finish reason "stop")
+        self.dropped = 0  # generated tokens dropped at a stop string (they hold it, or follow it)
         self.source: str | None = source
 
     # ------------------------------------------------------------------------------------------ token accounting
@@ -343,20 +279,34 @@ class Request:
             self.timings.finished = t
 
     # ------------------------------------------------------------------------------------------ generation
-    def append_token(self, token: int, now: float | None = None) -> bool:
-        """Record a sampled token (consuming one in-flight placeholder if there is one).
+    def append_token(self, token: int, now: float | None = None, logprob: "TokenLogprob | None" = None) -> bool:
+        """Record a sampled token (consuming one in-flight placeholder if there is one) and its logprob.
 
         Returns:
-            True when the request is now complete (EOS produced or max_new_tokens reached). EOS is included in
-            `output_ids`, as in transformers.
+            True when the request is now complete (EOS produced, a stop string appeared, or max_new_tokens
+            reached). EOS is included in `output_ids`, as in transformers; on a stop string, `output_ids` keep the
+            tokens that lie entirely before it and `text` ends right before it (see `cbnb.stops`).
         """
         if self.pending_samples > 0:
             self.pending_samples -= 1
         self.output_ids.append(int(token))
         t = time.perf_counter() if now is None else now
         self.token_times.append(t)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob if logprob is not None else TokenLogprob(int(token), float("nan")))
         if self.timings.first_token is None:
             self.timings.first_token = t
+        if self.stopper is not None and self.stopper.push(int(token)):
+            keep = self.stopper.kept_tokens
+            self.dropped = len(self.output_ids) - keep
+            del self.output_ids[keep:]
+            del self.token_times[keep:]
+            if self.logprobs is not None:
+                del self.logprobs[keep:]
+            self.text = self.stopper.text
+            self.stop_reason = self.stopper.stop
+            self.finish_reason = "stop"
+            return True
         if not self.sampling.ignore_eos and token in self.sampling.eos_token_ids:
             self.finish_reason = "eos"
             return True
@@ -364,6 +314,19 @@ class Request:
             self.finish_reason = "length"
             return True
         return False
+
+    @property
+    def stream_limit(self) -> int:
+        """Generated tokens that may be streamed now: all of them, or with stop strings those that cannot be part
+        of one (`cbnb.stops.StopMatcher.safe_tokens`)."""
+        return len(self.output_ids) if self.stopper is None else min(len(self.output_ids),
+                                                                     self.stopper.safe_tokens)
+
+    def decode_text(self, tokenizer: Any) -> str:
+        """Fill `text` from `output_ids` (once; a stop string's text is already set) and return it."""
+        if tokenizer is not None and not self.text and self.finish_reason != "stop":
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        return self.text
 
     def output(self) -> "RequestOutput":
         """A snapshot of this request as a `RequestOutput`."""
@@ -382,6 +345,10 @@ class Request:
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
             prompt_text=self.prompt_text,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            stop_reason=self.stop_reason,
+            processors=tuple(self.sampling.describe()),
+            generated_tokens=len(self.output_ids) + self.dropped,
             source=self.source,
             token_times=list(self.token_times),
         )
@@ -404,8 +371,8 @@ class RequestOutput:
         text: decoded `token_ids` (empty when the engine has no tokenizer).
         state: FINISHED, FAILED or CANCELLED for a final output; PENDING/PREFILLING/DECODING for a snapshot.
         error: the reason, for FAILED (and "engine stopped" for requests a `stop()` cancelled).
-        finish_reason: "eos", "length", "cache_exhausted" (it outgrew the whole KV cache; tokens so far kept),
-            "cancelled" or "error".
+        finish_reason: "eos", "length", "stop" (a stop string appeared: `stop_reason` names it), "cache_exhausted"
+            (it outgrew the whole KV cache; tokens so far kept), "cancelled" or "error".
         warning: set at admission when prompt + max_new_tokens can never fit the KV cache (the request may end
             "cache_exhausted"); None otherwise.
         timings: queued / scheduled / first token / finished marks (perf_counter seconds) with ttft_s, e2e_s.
@@ -415,6 +382,12 @@ class RequestOutput:
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
         prompt_text: the prompt as typed (a text prompt, or the last user message of chat messages; whitespace
             collapsed, at most 200 characters), None for token ids.
+        logprobs: one `TokenLogprob` per generated token when asked for (`logprobs=k` or
+            `ContinuousBatchingConfig.return_logprobs`), else None.
+        stop_reason: the stop string that ended the request (finish reason "stop"), else None.
+        processors: what the request applies to its logits, in order (`SamplingParams.describe`).
+        generated_tokens: tokens the engine generated: ``len(token_ids)``, plus on a stop string the tokens dropped
+            because they hold it (what an API bills as completion tokens).
         source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
             Python.
         token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
@@ -435,6 +408,10 @@ class RequestOutput:
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
     prompt_text: str | None = None
+    logprobs: list["TokenLogprob"] | None = None
+    stop_reason: str | None = None
+    processors: tuple[str, ...] = ()
+    generated_tokens: int = 0
     source: str | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -443,9 +420,27 @@ class RequestOutput:
         return self.state.is_terminal
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the processed distribution (after the request's logits
+    processors and warpers, i.e. ``log_softmax`` of transformers' processed scores), natural log.
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability (<= 0).
+        top: the k most likely tokens of that distribution as (token id, logprob), most likely first (k = the
+            request's `logprobs`; tokens the processors ruled out are not listed, so there may be fewer).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenDelta:
-    """One streamed increment of a request: the new tokens (and their text) since the previous delta."""
+    """One streamed increment of a request: the new tokens (and their text) since the previous delta, with their
+    `TokenLogprob`s when the request asked for logprobs (else None)."""
 
     request_id: str
     token_ids: list[int]
@@ -453,3 +448,4 @@ class TokenDelta:
     state: RequestState
     finished: bool = False
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None

@@ -96,7 +96,7 @@ class Recorder:
         """`core.add(req)` with its records. Returns what `add` returns."""
         if self.enabled and not resume:
             self.pending.append(RequestAdded(core.step_id, self.clock(), req.request_id, len(req.prompt_ids),
-                                             req.max_new_tokens))
+                                             req.max_new_tokens, tuple(req.sampling.describe())))
         had = req.warning
         ok = core.add(req, resume=resume)
         if self.enabled and req.warning is not None and req.warning != had:

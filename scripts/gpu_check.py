@@ -15,7 +15,8 @@ published by then is kept), and prints the plan with each part's cap first:
    against the bandwidth floor.
 3. ``headline_hf``: transformers' continuous batching on the same ``--hf-scale`` workload and config (a partial
    figure when it reaches its cap); the speedup and greedy agreement are computed here.
-4. ``sync_debug``: sampled and greedy requests with graphs + async under ``torch.cuda.set_sync_debug_mode("error")``
+4. ``sync_debug``: sampled and greedy requests, with per-request logits processors and logprobs, graphs + async,
+   under ``torch.cuda.set_sync_debug_mode("error")``
    (``CBNB_SYNC_DEBUG``): any host synchronisation while a step is queued fails that step and is reported.
 5. ``kernels``: every Triton kernel case against its PyTorch reference (each case guarded), decode timings at the
    nanovllm-256 decode shapes against the bandwidth floor, prefill TFLOP/s.

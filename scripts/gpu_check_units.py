@@ -256,8 +256,14 @@ def part_sync_debug() -> dict[str, Any]:
     rng = random.Random(5)
     prompts = [[rng.randrange(32, vocab) for _ in range(rng.randint(16, 160 if not SMOKE else 40))]
                for _ in range(16 if not SMOKE else 6)]
-    kinds = [dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=i) if i % 3 == 0 else
-             dict(do_sample=True, temperature=1.1) if i % 3 == 1 else {} for i in range(len(prompts))]
+    # sampled, sampled with the engine seed, greedy; and per-request logits processors, logprobs and min-p
+    procs = [dict(repetition_penalty=1.2, no_repeat_ngram_size=3, logprobs=5),
+             dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={7: -5.0}, min_p=0.05, do_sample=True,
+                  seed=9), dict(bad_words_ids=[[11], [12, 13]], sequence_bias={(14, 15): 2.0}, min_new_tokens=4),
+             {}]
+    kinds = [dict(dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=i) if i % 3 == 0 else
+                  dict(do_sample=True, temperature=1.1) if i % 3 == 1 else {}, **procs[i % 4])
+             for i in range(len(prompts))]
     cfg = cbnb.ContinuousBatchingConfig(page_size=16 if SMOKE else 64, num_blocks=256,
                                         max_batch_tokens=128 if SMOKE else 1024, max_requests_per_batch=32)
     mode = os.environ.get("CBNB_SYNC_DEBUG")
@@ -270,8 +276,12 @@ def part_sync_debug() -> dict[str, Any]:
         RES["graph_counts"] = (eng.stats()["run"]["cuda_graph_captures"], eng.stats()["run"]["cuda_graph_replays"])
     errors = sorted({o.error for o in outs if o.state.name != "FINISHED"})
     RES.update(requests=len(outs), finished=sum(o.state.name == "FINISHED" for o in outs),
-               sampled=sum(bool(k) for k in kinds), errors=errors[:3], ok=not errors)
-    log("sync_debug", {k: RES[k] for k in ("mode", "requests", "finished", "errors", "graph_counts")})
+               sampled=sum(bool(k.get("do_sample")) for k in kinds),
+               with_processors=sum(bool(procs[i % 4]) for i in range(len(kinds))),
+               logprobs_ok=all(len(o.logprobs) == len(o.token_ids) for o, k in zip(outs, kinds) if "logprobs" in k),
+               errors=errors[:3], ok=not errors)
+    log("sync_debug", {k: RES[k] for k in ("mode", "requests", "finished", "with_processors", "logprobs_ok",
+                                            "errors", "graph_counts")})
     return RES
 
 

@@ -11,6 +11,7 @@
 - `paused(engine)`: holds the engine loop before its next drain of the inbox, so a group of submissions lands in
   the same loop turn (deterministic first batches, hence deterministic offloads).
 - `assert_no_blocks(engine, rid)`: the request holds no device or host block and is unknown to the core.
+- `smollm2_tokenizer`: a fixture, SmolLM2's real tokenizer (for tiny models whose text must be real).
 - `async_engine(model, cfg)`: an engine whose runner is the CUDA runner on CPU (fake graphs, torch attention) with
   async batching on, so the double-buffered loop runs without a GPU.
 """
@@ -226,6 +227,20 @@ def cbnb_threads() -> set[threading.Thread]:
 def one_torch_thread():
     with torch_threads(1):
         yield
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer, read from the converted-model cache (skipped when the model was never converted).
+    With a tiny model, ids < 512 are byte-level pieces and specials: real incremental decoding on a tiny model."""
+    from cbnb.models import _cache_ready, model_cache_dir
+
+    path = model_cache_dir() / "smollm2-135m"
+    if not _cache_ready(path):
+        pytest.skip("smollm2-135m is not converted yet (run cbnb.load_model('smollm2-135m') once)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")

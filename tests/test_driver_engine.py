@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import cbnb
@@ -76,6 +78,7 @@ def test_transformers_peer_runs_the_same_timed_workload():
     same greedy tokens as cbnb, into the same run log; the cbnb engine on the shared model pauses meanwhile."""
     from cbnb.peers import HFContinuousBatching, compare_outputs
 
+    gc.collect()  # engines of earlier tests on this cached model stop and give its attention back
     model = tiny_model(LLAMA)
     wl = synthetic("t", 5, tr.Poisson(20.0), tr.Uniform(4, 20), tr.Uniform(2, 6), vocab_size=512, seed=5)
     cfg = config(page_size=16, num_blocks=64, max_batch_tokens=64)

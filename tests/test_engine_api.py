@@ -11,29 +11,17 @@ import pytest
 import torch
 
 import cbnb
-from cbnb.models import _cache_ready, model_cache_dir
 from cbnb.requests import RequestState
 
-from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread, smollm2_tokenizer: fixtures)
     STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, cbnb_threads, config, llama, one_torch_thread,
-    oracle_for, paused, random_prompts, results, submit_together, tiny_model,
+    oracle_for, paused, random_prompts, results, smollm2_tokenizer, submit_together, tiny_model,
 )
 
 LLAMA = "tiny:llama"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """SmolLM2's real tokenizer, read from the converted-model cache (skipped when the model was never converted)."""
-    path = model_cache_dir() / "smollm2-135m"
-    if not _cache_ready(path):
-        pytest.skip("smollm2-135m is not converted yet (run cbnb.load_model('smollm2-135m') once)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 # ----------------------------------------------------------------------------------------------- generate / outputs

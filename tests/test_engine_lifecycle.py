@@ -271,10 +271,10 @@ def _cancel_during_last_step(engine, hook_name: str):
             other = engine.submit(STD_PROMPTS[1], max_new_tokens=40, eos_token_id=-1)
             push = h._push
 
-            def logged_push(ids, state):
+            def logged_push(ids, state, *rest):
                 with lock:
                     log.append(("push", list(ids)))
-                push(ids, state)
+                push(ids, state, *rest)
 
             h._push = logged_push
         assert in_flight.wait(TIMEOUT)

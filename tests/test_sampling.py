@@ -22,7 +22,8 @@ V = 64
 
 def entry(rid: str, params: SamplingParams, *, prompt: int = 5, start: int = 4, n: int = 1, made: int = 0):
     """A duck-typed `ScheduledRequest` whose row draws output token `start + n - prompt`."""
-    req = SimpleNamespace(request_id=rid, sampling=params, prompt_ids=[0] * prompt,
+    req = SimpleNamespace(request_id=rid, sampling=params, prompt_ids=[0] * prompt, output_ids=[1] * made,
+                          max_new_tokens=params.max_new_tokens,
                           tokens_left=None if params.max_new_tokens is None else params.max_new_tokens - made)
     return SimpleNamespace(request_id=rid, request=req, start=start, num_tokens=n)
 
@@ -55,7 +56,7 @@ def test_batched_rows_equal_the_per_row_reference():
     for trial in range(5):
         logits = torch.randn(len(MIXED), V) * 3
         entries = [entry(f"r{i}", p, start=4 + trial) for i, p in enumerate(MIXED)]
-        got = s.sample(logits, entries).tolist()
+        got = s.sample(logits, entries)[0].tolist()
         for i, (e, p) in enumerate(zip(entries, MIXED)):
             if not p.do_sample:
                 assert got[i] == int(logits[i].argmax())
@@ -85,7 +86,7 @@ def test_one_batched_draw_no_per_row_calls(monkeypatch):
     monkeypatch.setattr(torch, "multinomial", lambda *a, **k: pytest.fail("per-row multinomial"))
     s = Sampler(torch.device("cpu"), seed=0)
     s.sample(torch.randn(len(MIXED), V), [entry(f"r{i}", p) for i, p in enumerate(MIXED)])
-    assert calls == {"draw": [5], "warp": 3}
+    assert calls == {"draw": [5], "warp": len(sm.WARPERS)}
 
 
 def test_draw_has_no_host_sync():
@@ -95,7 +96,7 @@ def test_draw_has_no_host_sync():
     out = logits.argmax(-1)
     rows = s.rows(entries)  # host side: builds the parameter tensors (one copy each)
     with HostSyncProbe() as probe:
-        out.index_copy_(0, rows.index, s.draw(logits, rows))
+        out.index_copy_(0, rows.index, s.draw(logits, rows)[0])
     assert probe.calls == []
 
 
@@ -113,14 +114,14 @@ def test_seeded_samples_do_not_depend_on_the_batch():
     s1, s2 = Sampler(torch.device("cpu"), seed=0), Sampler(torch.device("cpu"), seed=99)
     row = torch.randn(V)
     p = SamplingParams(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=1234)
-    alone = s1.sample(row[None], [entry("a", p)]).tolist()[0]
+    alone = s1.sample(row[None], [entry("a", p)])[0].tolist()[0]
     crowd_logits = torch.randn(7, V)
     crowd_logits[4] = row
     crowd = [entry(f"x{i}", MIXED[i % len(MIXED)]) for i in range(7)]
     crowd[4] = entry("another-id", p)
-    assert s2.sample(crowd_logits, crowd).tolist()[4] == alone
+    assert s2.sample(crowd_logits, crowd)[0].tolist()[4] == alone
     # the next output index draws differently
-    assert any(s1.sample(row[None], [entry("a", p, start=4 + k)]).tolist()[0] != alone for k in range(1, 6))
+    assert any(s1.sample(row[None], [entry("a", p, start=4 + k)])[0].tolist()[0] != alone for k in range(1, 6))
 
 
 def test_exhausted_rows_are_not_drawn():
@@ -137,7 +138,7 @@ def test_distribution_matches_softmax():
     s = Sampler(torch.device("cpu"))
     n = 6000
     entries = [entry("a", p, start=4 + k) for k in range(n)]
-    got = s.sample(logits.expand(n, -1), entries)
+    got = s.sample(logits.expand(n, -1), entries)[0]
     counts = torch.bincount(got, minlength=8).double()
     expect = (logits / 0.8).softmax(-1).double() * n
     chi2 = float((((counts - expect) ** 2) / expect.clamp(min=1e-9))[:7].sum())
@@ -151,12 +152,12 @@ def test_top_k_and_top_p_bound_the_support():
     s = Sampler(torch.device("cpu"))
     top5 = set(torch.topk(logits[0], 5).indices.tolist())
     pk = SamplingParams(do_sample=True, top_k=5, seed=1)
-    drawn = {s.sample(logits, [entry("a", pk, start=4 + k)]).item() for k in range(300)}
+    drawn = {s.sample(logits, [entry("a", pk, start=4 + k)])[0].item() for k in range(300)}
     assert drawn <= top5 and len(drawn) > 1
     probs, order = logits[0].softmax(-1).sort(descending=True)
     nucleus = set(order[: int((probs.cumsum(0) < 0.5).sum()) + 1].tolist())
     pp = SamplingParams(do_sample=True, top_p=0.5, seed=1)
-    drawn = {s.sample(logits, [entry("a", pp, start=4 + k)]).item() for k in range(300)}
+    drawn = {s.sample(logits, [entry("a", pp, start=4 + k)])[0].item() for k in range(300)}
     assert drawn <= nucleus and len(drawn) >= min(2, len(nucleus))
 
 

@@ -85,9 +85,13 @@ def test_submit_refuses_bad_input_with_a_message(engine):
 def test_submit_text_without_tokenizer_is_reported():
     eng = cbnb.Engine(tiny_model("tiny:llama"), None, cbnb.ContinuousBatchingConfig(**CFG))
     p = SubmitPanel(eng, autostart=False)
-    assert p.submit("hello") is None
-    assert p.message_kind == "error" and "no tokenizer" in p.message
-    assert p.chat_template is False
+    try:
+        assert p.submit("hello") is None
+        assert p.message_kind == "error" and "no tokenizer" in p.message
+        assert p.chat_template is False
+    finally:  # the panel holds the engine: without this the shared tiny model keeps cbnb's attention
+        p.close()
+        eng.stop()
 
 
 def test_submit_applies_chat_template_and_sampling(engine):

@@ -100,9 +100,24 @@ def test_stream_items_mark_terminal_states_and_use_final_text():
     items = stream_items(reqs, tt)
     assert [i["id"] for i in items] == ["r0", "r2", "r1"]
     assert items[0] == {"id": "r0", "state": "DECODING", "text": "AB", "n": 2, "max": 4, "error": "", "reason": "",
-                        "prompt": "What is the capital of France?"}  # the words typed, whitespace collapsed
+                        "prompt": "What is the capital of France?", "lp": []}  # the words typed, whitespace collapsed
     assert items[2]["prompt"] == "\x00\x01\x02\x03\x04"  # ids given: decoded by the tokenizer
     assert items[2]["text"] == "final text" and items[1]["error"] == "cancelled"
+
+
+def test_stream_items_carry_the_newest_tokens_logprobs():
+    from cbnb.requests import TokenLogprob
+    from cbnb.ui.state import LOGPROB_TOKENS
+
+    n = LOGPROB_TOKENS + 3
+    lps = [TokenLogprob(65 + i % 26, -0.5 * i, ((66, -0.1),)) for i in range(n)]
+    items = stream_items([out("r0", RequestState.DECODING, n, logprobs=lps, processors=("greedy", "logprobs=1"))],
+                         TextTracker(CharTokenizer()))
+    lp = items[0]["lp"]
+    assert len(lp) == LOGPROB_TOKENS and lp[0]["i"] == 3 and lp[-1]["i"] == n - 1
+    assert lp[0] == {"t": "D", "i": 3, "lp": -1.5, "top": [["B", -0.1]]}
+    rows, _, _ = request_rows([out("r0", RequestState.DECODING, 1, processors=("greedy", "logprobs=1"))])
+    assert rows[0][BOARD_COLUMNS.index("sampling")] == "greedy · logprobs=1"
 
 
 # ---------------------------------------------------------------------------------------------- plot series

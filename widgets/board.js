@@ -4,7 +4,7 @@
 const BOARD_HEADERS = {
   id: "request", prompt_text: "prompt", state: "state", output_tokens: "progress", prompt_tokens: "prompt tokens",
   ttft_ms: "TTFT ms", queue_ms: "queue ms", prefix_cached_tokens: "cached", offloads: "offloads",
-  soft_resets: "soft resets", error: "error / warning", source: "source",
+  soft_resets: "soft resets", sampling: "sampling", error: "error / warning", source: "source",
 };
 // Data columns drawn inside others: max_new_tokens in the progress bar, warning in the error cell.
 const BOARD_HIDDEN = new Set(["max_new_tokens", "warning", "finish_reason"]);
@@ -16,6 +16,7 @@ const BOARD_TIPS = {
   offloads: "times swapped out to the host pool", soft_resets: "times re-queued and recomputed",
   ttft_ms: "time to first token", queue_ms: "time waiting before the first step",
   error: "why a request failed, or a warning given when it was admitted",
+  sampling: "logits processors and sampling the request applies, in order",
   source: "who sent the request: http <client address> for the HTTP server; – for a call from Python",
 };
 // transformers sets DECODING when the last prompt chunk is scheduled, before its forward: until that step ends the
@@ -103,6 +104,7 @@ function render({ model, el }) {
           if (firstToken) td.title = BOARD_FIRST_TOKEN_TIP;
         } else if (c === "ttft_ms" && firstToken) { td.textContent = "…"; td.title = BOARD_FIRST_TOKEN_TIP; }
         else if (c === "ttft_ms" || c === "queue_ms") td.textContent = cbnbFmt(v, 0);
+        else if (c === "sampling") { td.textContent = v || "–"; td.title = v || ""; }
         else if (c === "error") {
           const warn = r[ix.warning], reason = r[ix.finish_reason];
           if (v) { td.textContent = v; td.title = v; }

@@ -1,5 +1,18 @@
 // Token stream panel: one card per request (its prompt's first words in the head) whose text grows as tokens
-// arrive; cancel buttons for live ones; a click on a card selects the request ("Why?").
+// arrive; cancel buttons for live ones; a click on a card selects the request ("Why?"). Requests that asked for
+// logprobs also show their newest tokens as chips: hovering one shows its logprob and the most likely alternatives.
+
+const cbnbShowToken = (t) => JSON.stringify(t).slice(1, -1);
+
+function cbnbLogprobTip(tok) {
+  const p = (lp) => `${lp.toFixed(3)} (p=${Math.exp(lp).toPrecision(3)})`;
+  const lines = [`token ${tok.i}: "${cbnbShowToken(tok.t)}"  logprob ${p(tok.lp)}`];
+  if (tok.top && tok.top.length) {
+    lines.push("alternatives:");
+    for (const [t, lp] of tok.top) lines.push(`  "${cbnbShowToken(t)}"  ${p(lp)}`);
+  }
+  return lines.join("\n");
+}
 
 function initialize({ model }) {
   cbnbTrackLatency(model, "stream");
@@ -10,7 +23,18 @@ function render({ model, el }) {
   const list = cbnbEl("div", "cbnb-stream-list");
   const empty = cbnbEl("div", "cbnb-empty", "No requests yet: submit a prompt.");
   f.body.append(empty, list);
-  const cards = new Map(); // id -> {card, badge, count, text, error, cancel, last}
+  const cards = new Map(); // id -> {card, badge, count, text, error, cancel, strip, last}
+  const tip = cbnbEl("div", "cbnb-lp-tip");
+  tip.style.display = "none";
+  f.body.append(tip);
+  f.root.style.position = "relative";
+  const showTip = (chip, tok) => {
+    tip.textContent = cbnbLogprobTip(tok);
+    const r = chip.getBoundingClientRect(), base = f.root.getBoundingClientRect();
+    tip.style.left = `${r.left - base.left}px`;
+    tip.style.top = `${r.bottom - base.top + 4}px`;
+    tip.style.display = "";
+  };
 
   const makeCard = (id) => {
     const card = cbnbEl("div", "cbnb-stream-item");
@@ -25,13 +49,29 @@ function render({ model, el }) {
     cancel.addEventListener("click", (e) => { e.stopPropagation(); model.send({ kind: "cancel", id }); });
     head.append(name, badge, prompt, count, cancel);
     const text = cbnbEl("div", "cbnb-stream-text");
+    const strip = cbnbEl("div", "cbnb-lp-strip");
+    strip.title = "";
     const error = cbnbEl("div", "cbnb-stream-error");
-    card.append(head, text, error);
+    card.append(head, text, strip, error);
     card.title = "Click for this request's story (Why?)";
     card.addEventListener("click", () => model.send({ kind: "select", id }));
     card.addEventListener("mouseenter", () => model.send({ kind: "hover_request", id }));
     card.addEventListener("mouseleave", () => model.send({ kind: "hover_request", id: null }));
-    return { card, badge, count, text, error, cancel, prompt, last: {} };
+    return { card, badge, count, text, error, cancel, prompt, strip, last: {} };
+  };
+
+  const drawStrip = (c, lp) => {
+    c.strip.style.display = lp.length ? "" : "none";
+    const chips = lp.map((tok) => {
+      const chip = cbnbEl("span", "cbnb-lp-tok", cbnbShowToken(tok.t) || "\u00a0");
+      chip.dataset.i = tok.i;
+      // darker = more likely (p = exp(logprob))
+      chip.style.setProperty("--cbnb-lp-alpha", Math.exp(tok.lp).toFixed(3));
+      chip.addEventListener("mouseenter", () => showTip(chip, tok));
+      chip.addEventListener("mouseleave", () => { tip.style.display = "none"; });
+      return chip;
+    });
+    c.strip.replaceChildren(...chips);
   };
 
   const draw = () => {
@@ -53,6 +93,11 @@ function render({ model, el }) {
       const count = it.max ? `${it.n}/${it.max} tokens` : `${it.n} tokens`;
       if (c.count.textContent !== count) c.count.textContent = count;
       if (c.last.text !== it.text) c.text.textContent = it.text;
+      const lp = it.lp || [];
+      const lastLp = c.last.lp || [];
+      if (lp.length !== lastLp.length || (lp.length && lp[lp.length - 1].i !== lastLp[lastLp.length - 1].i)) {
+        drawStrip(c, lp);
+      }
       const err = it.error ? `${it.state === "CANCELLED" ? "cancelled" : "error"}: ${it.error}` : "";
       if (c.error.textContent !== err) c.error.textContent = err;
       c.error.style.display = err ? "" : "none";

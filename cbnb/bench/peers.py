@@ -83,8 +83,9 @@ class _PeakMemory:
 
 def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_kwargs: dict | None = None,
              on_engine: Callable[[Any], Any] | None = None, lone: list[list[int]] | None = None,
-             timeout_s: float | None = None) -> PeerResult:
-    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up).
+             timeout_s: float | None = None, submit_kwargs: dict | None = None) -> PeerResult:
+    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up); `submit_kwargs` go to every
+    request's `submit` (e.g. sampling and logits processors).
 
     With `lone` prompts, the engine then serves each of them alone, idle in between, and ``extra["lone_ttft_s"]``
     holds the seconds from `submit` to the first streamed token of each (the streaming feel of one user).
@@ -104,7 +105,7 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
             eng.reset_stats()
         with _PeakMemory(device) as mem:
             t0 = time.perf_counter()
-            handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True)
+            handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True, **(submit_kwargs or {}))
                        for p, n in zip(workload.prompts, workload.max_new_tokens)]
             outs, cut_at = _results_until(handles, t0, timeout_s)
             if device == "cuda":
@@ -292,14 +293,22 @@ def _with_env(name: str, value: str, fn: Callable[[], PeerResult]) -> PeerResult
             os.environ[name] = old
 
 
+#: The ``sampled=on`` variant's request arguments: sampling with processors, to measure their cost per step.
+SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=0)
+
+
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     """A cbnb run with one named option: "telemetry=off|on", "dashboard=off|on", "use_cuda_graph=...",
-    "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on"."""
+    "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on", "sampled=off|on" (every
+    request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run)."""
     key, _, val = variant.partition("=")
     on = val.lower() in ("1", "on", "true", "yes")
     kwargs: dict[str, Any] = {}
+    submit: dict[str, Any] = {}
     hook = None
-    if key == "telemetry":
+    if key == "sampled":
+        submit = dict(SAMPLED) if on else {}
+    elif key == "telemetry":
         kwargs["telemetry"] = on
     elif key == "dashboard":
         if on:
@@ -318,6 +327,7 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
         return r
     else:
         raise SystemExit(f"unknown variant {variant!r}")
-    r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook)
+    r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook,
+                 submit_kwargs=submit)
     r.extra["variant"] = variant
     return r

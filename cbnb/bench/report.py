@@ -60,7 +60,7 @@ def format_report(report: dict[str, Any]) -> str:
                          "(contention), so the floor and the shares are not meaningful; the ratios still are")
     first = report["peers"][0]
     head = (f"{'peer':<22}{'out tok/s':>24}{first + ' / peer':>24}{'roofline share':>22}{'peak MiB':>10}"
-            f"{'same tokens':>13}{'lone TTFT s':>20}  errors")
+            f"{'same tokens':>13}{'lone TTFT s':>20}{'sample ms/step':>22}  errors")
     lines.append(head)
     for name in report["peers"]:
         s = report["summary"][name]
@@ -70,7 +70,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{name:<22}{_rng(s['tok_per_s'], lambda x: f'{x:.1f}'):>24}"
             f"{_rng(s['first_over_this'], lambda x: f'{x:.2f}x'):>24}{share:>22}"
             f"{s['peak_bytes_max'] / 2**20:>10.0f}{'-' if agree is None else f'{100 * agree:.0f}%':>13}"
-            f"{_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>20}  {'; '.join(sorted(set(s['errors'])))}")
+            f"{_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>20}"
+            f"{_rng(s.get('sample_ms_per_step') or {}, lambda x: f'{x:.2f}'):>22}  {'; '.join(sorted(set(s['errors'])))}")
     for name in report["peers"]:
         comp = report["summary"][name].get("compile") or {}
         for path, st in comp.items():

@@ -100,6 +100,15 @@ def _round_dict(rnd: Round, names: list[str], floor_s: float | None) -> dict[str
             "results": {n: _result_dict(r, base) for n, r in rnd.results.items()}}
 
 
+def sample_ms(r: Any) -> float | None:
+    """Milliseconds per step a cbnb run spent sampling (logits processors, warpers, the draw, the report): its
+    `stats()["run"]["time_by_phase_s"]["sample"]` over its steps; None for other peers."""
+    run = ((r.extra or {}).get("stats") or {}).get("run") or {}
+    steps = run.get("steps")
+    sample = (run.get("time_by_phase_s") or {}).get("sample")
+    return 1000 * sample / steps if steps and sample is not None else None
+
+
 def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the peers named in `args.peers` (plus cbnb variants) for `args.repeat` rounds; return a JSON-able report.
 
@@ -189,6 +198,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
     for n in names:
         ttfts = [x for rnd in rounds for x in rnd.results[n].extra.get("lone_ttft_s", [])]
         summary[n]["lone_ttft_s"] = spread(ttfts)
+        summary[n]["sample_ms_per_step"] = spread([x for x in (sample_ms(rnd.results[n]) for rnd in rounds)
+                                                   if x is not None])
         summary[n]["peak_bytes_max"] = max(rnd.results[n].peak_bytes for rnd in rounds)
         comp = [rnd.results[n].extra.get("compile") for rnd in rounds if rnd.results[n].extra.get("compile")]
         if comp:

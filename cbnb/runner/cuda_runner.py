@@ -47,6 +47,7 @@ from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, Met
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
 from .model_runner import ModelRunner
+from .sampling import unpack
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -140,6 +141,8 @@ class _Launched:
     events: tuple | None = None
     kv_bytes: int = 0
     t_launch: float = 0.0
+    report_columns: int = 1
+    max_logprobs: int = 0
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -563,18 +566,19 @@ class CudaModelRunner(ModelRunner):
         # which synchronises by design).
         capturing = key is not None and key not in self.graphs and key not in self.graphs.failures
         with sync_debug(None if capturing else self.sync_debug):
-            graph, captured, events = self._queue(pair, shape, lay, key, samplers)
+            graph, captured, events, report = self._queue(pair, shape, lay, key, samplers)
         self._prev_rows = rows
         self._prev_pair = pair
         t3 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2)
         return _Launched(work, pair, samplers, timings, copied, shape, graph, captured,
-                         self.graphs.take_failures(), events, kv_bytes, t0)
+                         self.graphs.take_failures(), events, kv_bytes, t0, report.columns, report.max_logprobs)
 
     def _queue(self, pair: IOPair, shape: StepShape, lay: MetaLayout, key: tuple | None,
-               samplers: list[Any]) -> tuple[bool, tuple | None, tuple | None]:
+               samplers: list[Any]) -> tuple[bool, tuple | None, tuple | None, Any]:
         """H2D, compute (graph replay, capture or eager forward, then sampling) and D2H of a prepared step, queued
-        on the streams without waiting. Returns (a graph ran, key captured now, profiling events)."""
+        on the streams without waiting. Returns (a graph ran, key captured now, profiling events, the sampler's
+        `StepReport`)."""
         n = lay.total
         cuda = self.compute_stream is not None
         if cuda:
@@ -599,21 +603,25 @@ class CudaModelRunner(ModelRunner):
                 graph = key in self.graphs  # False: its capture failed, the step ran eagerly
             else:
                 logits = self._forward(pair, shape, lay)
-            # Greedy ids are in `out_dev` already (the captured argmax); sampling rows are drawn in one batched pass.
-            self.sampler.sample(logits, samplers, out=pair.out_dev[:len(samplers)])
+            # Greedy ids are in `out_dev` already (the captured argmax); processed rows are drawn in one batched pass.
+            ns = len(samplers)
+            _, report = self.sampler.sample(logits, samplers, out=pair.out_dev[:ns])
+            nr = ns * report.columns
+            pair.report_dev[:nr].view(ns, report.columns).copy_(report.data)
             if cuda:
                 if events is not None:
                     events[1].record(self.compute_stream)
                 pair.compute_done.record(self.compute_stream)
-        ns = len(samplers)
         if cuda:
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(pair.compute_done)
                 pair.out_host[:ns].copy_(pair.out_dev[:ns], non_blocking=True)
+                pair.report_host[:nr].copy_(pair.report_dev[:nr], non_blocking=True)
                 pair.d2h_done.record(self.d2h_stream)
         else:
             pair.out_host[:ns].copy_(pair.out_dev[:ns])
-        return graph, captured, events
+            pair.report_host[:nr].copy_(pair.report_dev[:nr])
+        return graph, captured, events, report
 
     def collect(self, launched: _Launched) -> CudaStepResult:
         """Wait for a launched step's sampled ids and return them."""
@@ -626,6 +634,9 @@ class CudaModelRunner(ModelRunner):
             pair.d2h_done.synchronize()
         ns = len(launched.entries)
         toks = pair.out_host[:ns].tolist()
+        c = launched.report_columns
+        report = pair.report_host[:ns * c].view(ns, c).tolist()
+        tokens, logprobs, invalid = unpack(launched.entries, toks, report, launched.max_logprobs)
         gpu_ms = None
         if launched.events is not None:
             gpu_ms = launched.events[0].elapsed_time(launched.events[1])
@@ -643,9 +654,9 @@ class CudaModelRunner(ModelRunner):
         failed = [(f.key, str(f)) for f in self._pending_failures + launched.failed]
         self._pending_failures = []
         counts = (len(captured), 1 if launched.graph else 0, len(failed))
-        return CudaStepResult({e.request_id: t for e, t in zip(launched.entries, toks)}, timings, launched.copied,
-                              graph_counts=counts, backend=self.backend_name(launched.graph),
-                              graph_captured=captured, graph_failed=failed, gpu_ms=gpu_ms)
+        return CudaStepResult(tokens, timings, launched.copied, graph_counts=counts,
+                              backend=self.backend_name(launched.graph), graph_captured=captured,
+                              graph_failed=failed, gpu_ms=gpu_ms, logprobs=logprobs, invalid=invalid)
 
     def execute(self, work: StepWork) -> CudaStepResult:
         """A synchronous step (`launch` then `collect`)."""

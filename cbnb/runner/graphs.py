@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..sampling_params import MAX_LOGPROBS
+
 __all__ = [
     "pad_to_interval", "next_pow2", "cdiv", "StepShape", "ShapePlanner", "MetaLayout", "IOPair",
     "GraphBackend", "CudaGraphBackend", "FakeGraphBackend", "GraphCache", "GraphCaptureError", "capture_into",
@@ -178,6 +180,8 @@ class ShapePlanner:
                          cdiv(self.max_tokens, self.block_m) + self.max_seqs, self.max_seqs, widths, splits, True)
 
 
+#: Columns of the sampler's report per row at most: a finiteness flag, a logprob, and K ids and K logprobs.
+REPORT_COLUMNS = 2 + 2 * MAX_LOGPROBS
 _ALIGN = 16  # int32 elements (64 bytes) per segment boundary
 
 
@@ -237,7 +241,8 @@ class MetaLayout:
 
 class IOPair:
     """One host/device IO pair: a packed int32 metadata buffer on the host (pinned on CUDA) and on the device, the
-    sampled-token buffers, the static logits buffer its graphs write (`logits`, set by the runner when graphs are on:
+    sampled-token buffers and the sampler's report buffers (`cbnb.runner.sampling.StepReport`, at most
+    `REPORT_COLUMNS` per row), the static logits buffer its graphs write (`logits`, set by the runner when graphs are on:
     one buffer for all of the pair's graphs, so captured outputs do not pile up in the graph pool), and the events
     that order the H2D copy, the compute and the D2H copy.
 
@@ -256,6 +261,10 @@ class IOPair:
         self.dev = torch.zeros(num_ints, dtype=torch.int32, device=device)
         self.out_dev = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.out_host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=cuda)
+        # The sampler's per-row report (finiteness flag, logprobs), packed [rows, columns] at the front.
+        n = max_rows * REPORT_COLUMNS
+        self.report_dev = torch.zeros(n, dtype=torch.float64, device=device)
+        self.report_host = torch.zeros(n, dtype=torch.float64, pin_memory=cuda)
         self.h2d_done = torch.cuda.Event() if cuda else None
         self.compute_done = torch.cuda.Event() if cuda else None
         self.d2h_done = torch.cuda.Event() if cuda else None

@@ -23,7 +23,7 @@ from .attention import ATTN_NAME, register
 from .batch import build_step_batch
 from .compiled import compiled_forward, resolve_compile_configs
 from .kv import KVStore
-from .sampling import Sampler
+from .sampling import Sampler, unpack
 
 __all__ = ["ModelRunner", "StepResult"]
 
@@ -150,7 +150,8 @@ class ModelRunner:
             logits = logits.index_select(0, batch.logits_indices)
         t3 = time.perf_counter()
         entries = batch.sample_entries
-        toks = self.sampler.sample(logits, entries).tolist()
+        toks, report = self.sampler.sample(logits, entries)
+        tokens, logprobs, invalid = unpack(entries, toks.tolist(), report.data.tolist(), report.max_logprobs)
         t4 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
-        return StepResult({e.request_id: t for e, t in zip(entries, toks)}, timings, copied)
+        return StepResult(tokens, timings, copied, logprobs=logprobs, invalid=invalid)

@@ -1,14 +1,22 @@
 """Token sampling for the rows of a step: one batched pass over all rows, without host synchronisation.
 
-Pipeline, in transformers' order, on the rows that sample (``do_sample``), in fp32:
+Pipeline, in transformers' order, on the rows that need it (`SamplingParams.plain` is False: they sample, have logits
+processors, or want logprobs), in fp32:
 
-1. logits processors (`Sampler.processors`; none by default): ``(x [S, V], rows) -> x``;
-2. warpers (`WARPERS`): temperature, then top-k (keep the k largest), then top-p (keep the smallest set of most likely
-   tokens whose mass reaches `top_p`, at least one); per-row parameters are tensors, so rows with different settings
-   share each pass; filtered entries become -inf;
-3. one draw for every row: greedy rows take the argmax of the raw logits; sampling rows the Gumbel-max of their
-   processed logits, ``argmax(x + G)`` with ``G = -log(-log U)``, which draws exactly from ``softmax(x)`` (Gumbel 1954;
-   see Maddison, Tarlow & Minka, "A* Sampling", NeurIPS 2014, section 2).
+1. logits processors (`cbnb.runner.processors`: the request's own, over its full history; then `Sampler.processors`,
+   extra ``(x [n, V] fp32, rows) -> x`` hooks, none by default);
+2. warpers (`WARPERS`), on the rows that sample: temperature, then top-k (keep the k largest), then top-p (keep the
+   smallest set of most likely tokens whose mass reaches `top_p`, at least one), then min-p (keep tokens whose
+   probability is at least `min_p` times the largest, i.e. ``x >= max(x) + log(min_p)``); per-row parameters are
+   tensors, so rows with different settings share each pass; filtered entries become -inf;
+3. one draw for every row: plain greedy rows take the argmax of the raw logits; processed greedy rows the argmax of
+   their processed logits; sampling rows the Gumbel-max of their processed logits, ``argmax(x + G)`` with
+   ``G = -log(-log U)``, which draws exactly from ``softmax(x)`` (Gumbel 1954; see Maddison, Tarlow & Minka,
+   "A* Sampling", NeurIPS 2014, section 2);
+4. the step's report ``[S, c]`` (float64, one row per logits row): column 0 is 1 where the row's logits (processed
+   ones for processed rows) have no finite maximum (NaN, +inf, or every token ruled out): that request fails alone
+   (`unpack`), never the batch; with logprobs, column 1 holds the drawn token's ``log_softmax`` of the processed
+   logits, then the ids and logprobs of the K most likely tokens (K: the largest `logprobs` in the step).
 
 The noise is counter-based, not drawn from a stateful generator: ``U`` for (row, token) is a hash of the row's key and
 the token id, and a row's key is 62 bits of a BLAKE2 hash of (the request's ``seed``, the index of the output token
@@ -18,12 +26,14 @@ without a seed is keyed by (the engine seed, its ordinal among the unseeded requ
 order of their first draw, the index): reproducible for the same workload under the same
 `ContinuousBatchingConfig.seed` (random per engine when unset). ``U`` has 23 random bits, so ``G`` lies in
 [-2.8, 16.6]: a token whose processed logit is more than ~19 below the row's maximum is never drawn (its probability
-is below e^-19 = 6e-9). Cost: about 25 elementwise passes over the ``[rows that sample, vocab]`` int64 block per step.
+is below e^-19 = 6e-9). Cost: about 25 elementwise passes over the ``[rows that sample, vocab]`` int64 block per step,
+plus one max over every row's logits (the finiteness check).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -31,7 +41,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Sampler", "SamplingRows", "WARPERS", "gumbel_noise", "row_key"]
+from ..requests import TokenLogprob
+from . import processors as procs
+
+__all__ = ["Sampler", "SamplingRows", "StepReport", "WARPERS", "gumbel_noise", "row_key", "unpack"]
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B  # odd multiplier of a well-known 32-bit integer hash; products stay below 2**63 on 31-bit values
@@ -73,27 +86,40 @@ def gumbel_noise(key_lo: torch.Tensor, key_hi: torch.Tensor, vocab: int) -> torc
 
 @dataclass
 class SamplingRows:
-    """The rows of one step that sample, with their parameters as device tensors (built by `Sampler.rows`).
+    """The processed rows of a step, with their parameters as device tensors (built by `Sampler.rows`).
 
     Attributes:
-        index: ``[n]`` int64, logits rows that sample.
-        temperature, top_p: ``[n, 1]`` fp32 (1.0: off).
-        top_k: ``[n, 1]`` int64 (0: off).
+        index: ``[n]`` int64, logits rows on the processed path.
+        temperature, top_p: ``[n, 1]`` fp32 (1.0: off); log_min_p: ``[n, 1]`` fp32 (-inf: off).
+        top_k: ``[n, 1]`` int64 (0: off). Greedy rows carry the neutral values.
         key_lo, key_hi: ``[n, 1]`` int64, the two 31-bit halves of each row's noise key (`row_key`).
-        max_top_k: the largest top-k in use (0: none); any_temperature, any_top_p: whether any row uses them.
+        sample: ``[n, 1]`` bool, rows that draw (the others take the argmax), or None when all of them draw.
+        max_top_k: the largest top-k in use (0: none); any_temperature, any_top_p, any_min_p, any_sample.
         params: the rows' `SamplingParams` (host side, for processors).
+        processors: the rows' `cbnb.runner.processors.ProcessorBatch`, or None.
+        append: (history slots, positions, row indices) of the rows whose drawn token joins their history.
+        logprob_rows: ``[r]`` int64, indices (among the n) of the rows that want logprobs, or None.
+        max_logprobs: K, the largest `logprobs` in the step.
     """
 
     index: torch.Tensor
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    log_min_p: torch.Tensor
     key_lo: torch.Tensor
     key_hi: torch.Tensor
+    sample: torch.Tensor | None
     max_top_k: int
     any_temperature: bool
     any_top_p: bool
+    any_min_p: bool
+    any_sample: bool
     params: list[Any]
+    processors: Any = None
+    append: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    logprob_rows: torch.Tensor | None = None
+    max_logprobs: int = 0
 
     def __len__(self) -> int:
         return len(self.params)
@@ -123,9 +149,35 @@ def warp_top_p(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
+def warp_min_p(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    if not rows.any_min_p:
+        return x
+    # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); the maximum itself always stays
+    return x.masked_fill(x < x.amax(-1, keepdim=True) + rows.log_min_p, float("-inf"))
+
+
 #: The warpers, in order: ``(x [n, V] fp32, rows) -> x``.
 WARPERS: tuple[Callable[[torch.Tensor, SamplingRows], torch.Tensor], ...] = (
-    warp_temperature, warp_top_k, warp_top_p)
+    warp_temperature, warp_top_k, warp_top_p, warp_min_p)
+
+
+@dataclass
+class StepReport:
+    """What the host reads back for a step besides the tokens (see `unpack`).
+
+    Attributes:
+        data: ``[S, c]`` float64 on the device (the module docstring, step 4, gives the columns).
+        max_logprobs: K (c = 2 + 2K when any row wants logprobs, else 1).
+        logprobs: whether any row wants logprobs.
+    """
+
+    data: torch.Tensor
+    max_logprobs: int = 0
+    logprobs: bool = False
+
+    @property
+    def columns(self) -> int:
+        return self.data.shape[1]
 
 
 class Sampler:
@@ -136,7 +188,8 @@ class Sampler:
         seed: the engine seed for requests without their own (None: random for this sampler).
 
     Attributes:
-        processors: logits processors applied before the warpers, ``(x [n, V] fp32, rows) -> x``.
+        processors: extra logits processors applied after the requests' own, ``(x [n, V] fp32, rows) -> x``.
+        history: the requests' token histories on the device (`cbnb.runner.processors.History`).
     """
 
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
@@ -144,16 +197,19 @@ class Sampler:
         self._seed_given = seed is not None
         self.engine_seed = int(seed) if seed is not None else random.SystemRandom().getrandbits(62)
         self.processors: list[Callable[[torch.Tensor, SamplingRows], torch.Tensor]] = []
+        self.history = procs.History(self.device, self._to_device)
         self._ordinals: dict[str, int] = {}  # unseeded request -> ordinal of its first draw
         self._next_ordinal = 0
 
     def forget(self, request_id: str) -> None:
-        """Drop what is kept for a finished request (an unseeded request's ordinal)."""
+        """Drop what is kept for a finished request (an unseeded request's ordinal, its token history)."""
         self._ordinals.pop(request_id, None)
+        self.history.forget(request_id)
 
     def adopt(self, other: "Sampler") -> None:
         """Continue `other`'s unseeded streams (an engine rebuilt by `reconfigure`): its ordinals, and its engine seed
-        unless this sampler was given one, so a request that survives the rebuild draws as in an uninterrupted run."""
+        unless this sampler was given one, so a request that survives the rebuild draws as in an uninterrupted run.
+        (Token histories are refilled from the host at the next draw.)"""
         if not self._seed_given:
             self.engine_seed = other.engine_seed
         self._ordinals.update(other._ordinals)
@@ -167,39 +223,64 @@ class Sampler:
         return n
 
     # ---------------------------------------------------------------------------------------------- host side
-    def rows(self, entries: Sequence[Any]) -> SamplingRows | None:
-        """The sampling rows of a step, one logits row per entry (in order), or None when every row is greedy.
+    def rows(self, entries: Sequence[Any], vocab: int | None = None) -> SamplingRows | None:
+        """The processed rows of a step, one logits row per entry (in order), or None when every row is plain
+        greedy.
 
         `entries` are the step's sampling `ScheduledRequest`s (``request_id``, ``start``, ``num_tokens``,
-        ``request.sampling``, ``request.prompt_ids``, ``request.tokens_left``). A row past its ``max_new_tokens``
-        (async batching: the step in flight already produced the last token) is never applied and not drawn.
-        Parameters travel in two small host-to-device copies (pinned and asynchronous on CUDA).
+        ``request.sampling``, ``request.prompt_ids``, ``request.output_ids``, ``request.tokens_left``,
+        ``request.max_new_tokens``). A row past its ``max_new_tokens`` (async batching: the step in flight already
+        produced the last token) is never applied and not drawn. Parameters travel in a few small host-to-device
+        copies (pinned and asynchronous on CUDA).
         """
-        ints: list[tuple[int, int, int, int]] = []
-        floats: list[tuple[float, float]] = []
+        ints: list[tuple[int, int, int, int, int]] = []
+        floats: list[tuple[float, float, float]] = []
         params = []
+        infos: list[procs.RowInfo] = []
+        want_lp: list[int] = []
         for i, s in enumerate(entries):
             req = s.request
             p = req.sampling
-            if not p.do_sample:
+            if p.plain:
                 continue
             left = req.tokens_left
             if left is not None and left < 0:
                 continue
-            index = s.start + s.num_tokens - len(req.prompt_ids)  # the output token this row draws
-            key = (row_key(p.seed, index) if p.seed is not None
-                   else row_key(self.engine_seed, index, self._ordinal(s.request_id)))
-            ints.append((i, p.top_k or 0, key & _M31, key >> 31))
-            floats.append((float(p.temperature), float(p.top_p) if p.top_p is not None else 1.0))
+            n = len(params)
+            length = s.start + s.num_tokens  # history before the drawn token
+            if p.greedy:
+                ints.append((i, 0, 0, 0, 0))
+                floats.append((1.0, 1.0, -math.inf))
+            else:
+                index = length - len(req.prompt_ids)  # the output token this row draws
+                key = (row_key(p.seed, index) if p.seed is not None
+                       else row_key(self.engine_seed, index, self._ordinal(s.request_id)))
+                ints.append((i, p.top_k or 0, key & _M31, key >> 31, 1))
+                floats.append((float(p.temperature), float(p.top_p) if p.top_p is not None else 1.0,
+                               math.log(p.min_p) if p.min_p else -math.inf))
             params.append(p)
+            if p.processors:
+                infos.append(procs.RowInfo(n, p, req, length))
+            if p.logprobs is not None:
+                want_lp.append(n)
         if not params:
             return None
         iv = self._to_device(np.asarray(ints, dtype=np.int64).T.copy())
         fv = self._to_device(np.asarray(floats, dtype=np.float32).T.copy())
-        return SamplingRows(index=iv[0], top_k=iv[1].unsqueeze(1), key_lo=iv[2].unsqueeze(1),
-                            key_hi=iv[3].unsqueeze(1), temperature=fv[0].unsqueeze(1), top_p=fv[1].unsqueeze(1),
-                            max_top_k=max(k for _, k, _, _ in ints), any_temperature=any(t != 1.0 for t, _ in floats),
-                            any_top_p=any(q < 1.0 for _, q in floats), params=params)
+        sample_flags = [t[4] for t in ints]
+        batch = procs.build(infos, self.history, vocab or 0, self._to_device, len(params)) if infos else None
+        append = None
+        if batch is not None and batch.hist_rows is not None:  # the drawn token joins the row's history
+            append = (batch.slots, batch.lengths, batch.hist_rows)
+        return SamplingRows(
+            index=iv[0], top_k=iv[1].unsqueeze(1), key_lo=iv[2].unsqueeze(1), key_hi=iv[3].unsqueeze(1),
+            sample=None if all(sample_flags) else iv[4].unsqueeze(1).bool(),
+            temperature=fv[0].unsqueeze(1), top_p=fv[1].unsqueeze(1), log_min_p=fv[2].unsqueeze(1),
+            max_top_k=max(t[1] for t in ints), any_temperature=any(f[0] != 1.0 for f in floats),
+            any_top_p=any(f[1] < 1.0 for f in floats), any_min_p=any(f[2] > -math.inf for f in floats),
+            any_sample=any(sample_flags), params=params, processors=batch, append=append,
+            logprob_rows=self._to_device(np.asarray(want_lp, dtype=np.int64)) if want_lp else None,
+            max_logprobs=max((params[n].logprobs for n in want_lp), default=0))
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -208,24 +289,101 @@ class Sampler:
         return t.to(self.device)
 
     # ---------------------------------------------------------------------------------------------- device side
-    def draw(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """Sampled ids ``[n]`` (int64, on the logits' device) of the rows in `rows`, from ``logits [S, V]``.
-        One batched pass: processors, warpers, Gumbel-max; no host synchronisation."""
+    def process(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """The processed logits ``[n, V]`` (fp32) of the rows: processors, then warpers on the rows that sample."""
         x = logits.index_select(0, rows.index).float()
+        if rows.processors is not None:
+            x = procs.apply(x, rows.processors, self.history)
         for fn in self.processors:
             x = fn(x, rows)
-        for fn in WARPERS:
-            x = fn(x, rows)
-        return (x + gumbel_noise(rows.key_lo, rows.key_hi, x.shape[-1])).argmax(-1)
+        if rows.any_sample:
+            for fn in WARPERS:
+                x = fn(x, rows)
+        return x
 
-    def sample(self, logits: torch.Tensor, entries: Sequence[Any], out: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row of ``logits [S, V]`` (row i belongs to ``entries[i]``): int64 ``[S]`` on the device.
+    def draw(self, logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drawn ids ``[n]`` (int64, on the logits' device) of the rows in `rows`, from ``logits [S, V]``, and their
+        processed logits ``[n, V]`` (fp32). One batched pass: processors, warpers, Gumbel-max; no host
+        synchronisation."""
+        x = self.process(logits, rows)
+        return self._draw(x, rows), x
 
-        Greedy rows get the argmax (written into `out` when given, e.g. a graph's static output that already holds
-        it: then only the sampling rows are written). Raises nothing for empty input (returns ``[0]``)."""
+    def _draw(self, x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        if not rows.any_sample:
+            tok = x.argmax(-1)
+        else:
+            noisy = x + gumbel_noise(rows.key_lo, rows.key_hi, x.shape[-1])
+            tok = (noisy if rows.sample is None else torch.where(rows.sample, noisy, x)).argmax(-1)
+        if rows.append is not None:
+            slots, pos, which = rows.append
+            self.history.append(slots, pos, tok.index_select(0, which))
+        return tok
+
+    def sample(self, logits: torch.Tensor, entries: Sequence[Any],
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, StepReport]:
+        """One token per row of ``logits [S, V]`` (row i belongs to ``entries[i]``): int64 ``[S]`` on the device,
+        and the step's `StepReport`.
+
+        Plain greedy rows get the argmax (written into `out` when given, e.g. a graph's static output that already
+        holds it: then only the processed rows are written). Rows of `logits` past ``len(entries)`` (a padded
+        graph's) are ignored. Raises nothing for empty input (returns ``[0]``)."""
+        S = min(len(entries), logits.shape[0])
+        logits = logits[:S]
         if out is None:
-            out = logits.argmax(-1)
-        rows = self.rows(entries) if logits.shape[0] else None
-        if rows is not None:
-            out.index_copy_(0, rows.index, self.draw(logits, rows))
-        return out
+            top, out = logits.max(-1)  # the argmax and the finiteness check in one pass
+        else:
+            top = logits.amax(-1)
+        rows = self.rows(entries, logits.shape[-1]) if S else None
+        bad = ~torch.isfinite(top)
+        if rows is None:
+            return out, StepReport(bad.to(torch.float64).unsqueeze(1))
+        tok, x = self.draw(logits, rows)
+        out.index_copy_(0, rows.index, tok)
+        bad = bad.index_copy(0, rows.index, ~torch.isfinite(x.amax(-1)))
+        K = rows.max_logprobs
+        if rows.logprob_rows is None:
+            return out, StepReport(bad.to(torch.float64).unsqueeze(1))
+        report = torch.zeros(S, 2 + 2 * K, dtype=torch.float64, device=logits.device)
+        report[:, 0] = bad.to(torch.float64)
+        sel = rows.logprob_rows
+        lp = torch.log_softmax(x.index_select(0, sel), -1)
+        part = [lp.gather(1, tok.index_select(0, sel).unsqueeze(1))]
+        if K:
+            top = torch.topk(lp, K, dim=-1)
+            part += [top.indices.to(lp.dtype), top.values]
+        bad_sel = bad.index_select(0, rows.index.index_select(0, sel)).unsqueeze(1).to(lp.dtype)
+        block = torch.cat([bad_sel] + part, 1).to(torch.float64)
+        report.index_copy_(0, rows.index.index_select(0, sel), block)
+        return out, StepReport(report, K, True)
+
+
+def unpack(entries: Sequence[Any], tokens: Sequence[int], report: Sequence[Sequence[float]],
+           max_logprobs: int = 0) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
+    """A step's results on the host: (request id -> token, request id -> `TokenLogprob` for the requests that want
+    logprobs, request id -> error for the rows whose logits were not finite: those requests fail, the others go on).
+
+    Args:
+        entries: the step's sampling entries, in row order.
+        tokens: the drawn ids, one per row.
+        report: `StepReport.data` rows as lists (columns in the module docstring, step 4).
+        max_logprobs: the report's K.
+    """
+    toks: dict[str, int] = {}
+    lps: dict[str, TokenLogprob] = {}
+    bad: dict[str, str] = {}
+    K = max_logprobs
+    for e, t, r in zip(entries, tokens, report):
+        rid = e.request_id
+        if r[0]:
+            req = e.request
+            index = e.start + e.num_tokens - len(req.prompt_ids)
+            bad[rid] = (f"the logits of output token {index} are not finite (NaN or inf, or every token was ruled "
+                        f"out by the logits processors); sampling: {', '.join(req.sampling.describe())}")
+            continue
+        toks[rid] = int(t)
+        k = e.request.sampling.logprobs
+        if k is not None and len(r) > 1:
+            top = tuple((int(r[2 + j]), float(r[2 + K + j])) for j in range(min(k, K))
+                        if r[2 + K + j] != -math.inf)
+            lps[rid] = TokenLogprob(int(t), float(r[1]), top)
+    return toks, lps, bad

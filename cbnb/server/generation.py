@@ -81,6 +81,9 @@ class Generation:
 
     def _outcome(self, d: Any) -> None:
         out = self.handle.result(timeout=0)
+        # An engine-side stop string drops the tokens that hold it from the output; they were generated all the same.
+        self.completion_tokens = max(self.completion_tokens, getattr(out, "generated_tokens", 0))
+        self.slot.tokens = self.completion_tokens
         if out.state.name == "FINISHED":
             self.finish_reason = _FINISH.get(out.finish_reason or "", "stop")
         elif out.state.name == "CANCELLED":

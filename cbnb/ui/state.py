@@ -55,6 +55,7 @@ class TextTracker:
         self.max_chars = max_chars
         self._cache: dict[str, tuple[int, int, str, str]] = {}  # id -> (n tokens, stable n, stable text, text)
         self._labels: dict[str, str] = {}  # id -> the prompt's first words
+        self._pieces: dict[int, str] = {}  # token id -> its own text
 
     def text(self, request_id: str, token_ids: Sequence[int], final_text: str | None = None) -> str:
         """Text of `token_ids` (a request's generated ids so far), cut to `max_chars`."""
@@ -89,6 +90,14 @@ class TextTracker:
         if hit is None:
             hit = self._labels[rid] = prompt_label(out, self.tokenizer)
         return hit
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text (its id when there is no tokenizer); cached per id."""
+        t = self._pieces.get(token_id)
+        if t is None:
+            t = self._pieces[token_id] = (str(token_id) if self.tokenizer is None
+                                    else self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return t
 
     def prune(self, keep: Iterable[str]) -> None:
         """Forget requests not in `keep`."""
@@ -126,7 +135,8 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
 
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
-                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason", "prompt_text",
+                 "prefix_cached_tokens", "offloads", "soft_resets", "sampling", "error", "warning", "finish_reason",
+                 "prompt_text",
                  "source")
 
 
@@ -155,11 +165,27 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64,
             r.request_id, _state_name(r.state), len(r.token_ids), r.max_new_tokens,
             len(r.prompt_token_ids), None if ttft is None else round(ttft * 1000, 1),
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
-            int(r.num_soft_resets), r.error or "", getattr(r, "warning", None) or "", r.finish_reason or "",
-            label(r) if label is not None else prompt_label(r),
+            int(r.num_soft_resets), " · ".join(getattr(r, "processors", ()) or ()), r.error or "",
+            getattr(r, "warning", None) or "", r.finish_reason or "", label(r) if label is not None else prompt_label(r),
             getattr(r, "source", None) or "",
         ])
     return rows, counts, hidden
+
+
+#: Streamed tokens with logprobs shown per request (the newest).
+LOGPROB_TOKENS = 32
+
+
+def logprob_tokens(r: Any, texts: TextTracker, n: int = LOGPROB_TOKENS) -> list[dict[str, Any]]:
+    """The newest `n` tokens of a request that asked for logprobs, for the stream panel's hover: dicts with t (the
+    token's text), i (its index among the generated tokens), lp (its logprob, natural log) and top ([text,
+    logprob] of the alternatives, most likely first). Empty when the request has no logprobs."""
+    lps = getattr(r, "logprobs", None)
+    if not lps:
+        return []
+    start = max(0, len(lps) - n)
+    return [{"t": texts.piece(lp.token_id), "i": start + k, "lp": round(lp.logprob, 4),
+             "top": [[texts.piece(t), round(v, 4)] for t, v in lp.top]} for k, lp in enumerate(lps[start:])]
 
 
 def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int = 12) -> list[dict[str, Any]]:
@@ -167,7 +193,8 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
 
     Returns:
         dicts with id, state, text, n (tokens out), max (max_new_tokens or None), error, reason (finish reason),
-        prompt (the prompt's first words, `prompt_label`).
+        prompt (the prompt's first words, `prompt_label`),
+        lp (`logprob_tokens`: the newest tokens with their logprobs, for requests that asked for them).
     """
     shown, _ = _ordered(requests, max_finished)
     items = []
@@ -176,7 +203,7 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
         final = r.text if state in TERMINAL_STATES and r.text else None
         items.append({"id": r.request_id, "state": state, "text": texts.text(r.request_id, r.token_ids, final),
                       "n": len(r.token_ids), "max": r.max_new_tokens, "error": r.error or "",
-                      "reason": r.finish_reason or "", "prompt": texts.label(r)})
+                      "reason": r.finish_reason or "", "prompt": texts.label(r), "lp": logprob_tokens(r, texts)})
     texts.prune(r.request_id for r in requests)
     return items
 

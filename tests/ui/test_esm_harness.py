@@ -178,13 +178,39 @@ def test_submit_and_stream_buttons_send_messages(page, tiny_engine):
     assert sent(page)[-1] == {"kind": "cancel", "id": "req-1"}
 
 
+def test_stream_token_hover_shows_logprob_and_alternatives(page, tiny_engine):
+    from cbnb.requests import RequestOutput, RequestState, TokenLogprob
+    from cbnb.ui.stream import TokenStreamPanel
+    from cbnb.ui.state import TextTracker, stream_items
+
+    lps = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.75))), TokenLogprob(7, -2.5, ((3, -0.5), (7, -2.5)))]
+    out = RequestOutput("req-7", [1, 2], [5, 7], state=RequestState.DECODING, max_new_tokens=8, logprobs=lps)
+    plain = RequestOutput("req-8", [1, 2], [4], state=RequestState.DECODING, max_new_tokens=8)
+    st = TokenStreamPanel(tiny_engine, autostart=False)
+    st.items = stream_items([out, plain], TextTracker(None))
+    mount(page, st)
+    chips = page.locator(".cbnb-stream-item[data-id=req-7] .cbnb-lp-tok")
+    assert chips.all_text_contents() == ["5", "7"]
+    assert page.locator(".cbnb-stream-item[data-id=req-8] .cbnb-lp-strip").is_hidden()  # no logprobs asked
+    chips.nth(1).hover()
+    tip = page.locator(".cbnb-lp-tip")
+    tip.wait_for(state="visible")
+    text = tip.text_content()
+    assert 'token 1: "7"  logprob -2.500 (p=0.0821)' in text
+    assert 'alternatives:' in text and '"3"  -0.500 (p=0.607)' in text
+    page.screenshot(path=str(ARTIFACTS / "harness-stream-logprob-hover.png"))
+    page.mouse.move(0, 0)
+    tip.wait_for(state="hidden")
+
+
 def test_board_shows_errors_and_admission_warnings(page, tiny_engine):
     from cbnb.requests import RequestOutput, RequestState
     from cbnb.ui.board import RequestBoardPanel
     from cbnb.ui.state import request_rows
 
     warn = "exceeds the KV cache: 40 prompt tokens + max_new_tokens=500 = 540 tokens, but it holds at most 64 tokens"
-    outs = [RequestOutput("req-a", [1] * 40, [5] * 3, state=RequestState.DECODING, warning=warn, max_new_tokens=500),
+    outs = [RequestOutput("req-a", [1] * 40, [5] * 3, state=RequestState.DECODING, warning=warn, max_new_tokens=500,
+                          processors=("repetition_penalty=1.2", "temperature=0.7", "top_p=0.9")),
             RequestOutput("req-b", [1] * 40, [5] * 25, state=RequestState.FINISHED, warning=warn,
                           finish_reason="cache_exhausted", max_new_tokens=500),
             RequestOutput("req-c", [1] * 9, [], state=RequestState.FAILED, error="boom", finish_reason="error")]
@@ -199,7 +225,10 @@ def test_board_shows_errors_and_admission_warnings(page, tiny_engine):
     assert ended.startswith("⚠ ended cache_exhausted: exceeds the KV cache")
     failed = page.locator(".cbnb-board tr[data-id=req-c] td.cbnb-col-error")
     assert failed.text_content() == "boom" and "cbnb-warning" not in (failed.get_attribute("class") or "")
+    sampling = page.locator(".cbnb-board tr[data-id=req-a] td.cbnb-col-sampling")
+    assert sampling.text_content() == "repetition_penalty=1.2 · temperature=0.7 · top_p=0.9"
     headers = page.locator(".cbnb-board th").all_text_contents()
+    assert "sampling" in headers
     assert "error / warning" in headers and "warning" not in headers and "finish_reason" not in headers
     page.screenshot(path=str(ARTIFACTS / "harness-board-warnings.png"))
 

@@ -2,7 +2,8 @@
 
 One server, one page and one Run All (`lab_session` in conftest.py, shared with test_lab_teaching.py) are used by
 the tests below, which run in file order: panels render → a typed prompt streams → update latency → KV hover → a
-slider change is applied in Python → a reload shows current plots. Screenshots go to test-artifacts/ui/.
+slider change is applied in Python → a streamed token's logprob hover → a reload shows current plots. Screenshots go
+to test-artifacts/ui/.
 """
 
 from __future__ import annotations
@@ -185,6 +186,40 @@ def test_slider_apply_changes_engine_config(session):
     message = page.locator(".cbnb-config .cbnb-apply-bar .cbnb-message").text_content()
     after = int(session.py("engine.config.max_batch_tokens"))
     assert after == before + 64, (before, after, message)
+    assert session.errors == [], session.errors
+
+
+def test_stream_token_hover_shows_logprobs(session):
+    """A request with logprobs streams token chips; hovering one shows its logprob and alternatives (light, then
+    dark theme)."""
+    page = session.page
+    rid = ast.literal_eval(session.py(
+        "engine.submit('Name a colour.', max_new_tokens=12, logprobs=3).request_id"))
+    item = f".cbnb-stream-item[data-id='{rid}']"
+    page.wait_for_selector(f"{item} .cbnb-lp-tok", timeout=60_000)
+    page.wait_for_selector(f"{item}[data-state=FINISHED]", timeout=120_000)
+    chip = page.locator(f"{item} .cbnb-lp-tok").nth(1)
+    chip.scroll_into_view_if_needed()
+    page.set_viewport_size({"width": 1440, "height": 900})
+    for theme, name in (("JupyterLab Light", "light"), ("JupyterLab Dark", "dark")):
+        page.evaluate(f"() => jupyterapp.commands.execute('apputils:change-theme', {{theme: '{theme}'}})")
+        page.wait_for_function(f"() => document.body.dataset.jpThemeName === '{theme}'", timeout=30_000)
+        page.wait_for_timeout(800)  # the theme's restyle settles before scrolling
+        chip.evaluate("e => e.scrollIntoView({block: 'center'})")
+        page.wait_for_timeout(200)
+        page.mouse.move(0, 0)
+        chip.hover()
+        page.wait_for_function("""() => { const t = document.querySelector('.cbnb-lp-tip');
+            return t && t.style.display !== 'none' && /token 1: .*logprob -?\\d/.test(t.textContent)
+                   && /alternatives:/.test(t.textContent); }""", timeout=15_000)
+        session.shot(f"06-logprob-hover-{name}.png")
+    page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    page.set_viewport_size({"width": 1400, "height": 1800})
+    out = ast.literal_eval(session.py(
+        f"[(lp.token_id, round(lp.logprob, 4)) for lp in [r for r in engine.requests_snapshot() "
+        f"if r.request_id == '{rid}'][0].logprobs[1:2]]"))
+    tip = page.locator(".cbnb-lp-tip").text_content()
+    assert f"logprob {out[0][1]:.3f}" in tip
     assert session.errors == [], session.errors
 
 
