@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -43,16 +43,20 @@ from .inbox import EngineStoppedError, Reconfigure
 from .loop import finalize, start as start_loop
 from .phases import LoopState
 from .generation import REQUEST_ARGS, GenerationDefaults
-from .prompts import prompt_ids, sampling_params, split_batch
+from .prompts import prompt_ids, prompt_preview, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
 from .runs import RunLog
+from .step_mode import StepMode
 from .stops import StopMatcher
 from .telemetry import Recorder
+
+if TYPE_CHECKING:
+    from .explain import RequestStory
 
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
 
 
-class Engine:
+class Engine(StepMode):
     """A continuous-batching engine for one transformers causal LM.
 
     Args:
@@ -340,6 +344,7 @@ class Engine:
         stopper = StopMatcher(self.tokenizer, sp.stop) if sp.stop else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper, source=source)
+        req.prompt_text = prompt_preview(prompt)
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
         self._loop.submit(req, handle)
         return handle
@@ -389,8 +394,9 @@ class Engine:
         return self._loop.cancel_all()
 
     def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
-        """Apply a new config between runs. Unfinished requests are kept: they restart from their prompt and the
-        tokens generated so far (their KV is recomputed in the new cache). Returns the resolved config.
+        """Apply a new config now, also while requests run. Unfinished requests are kept: they restart from their
+        prompt and the tokens generated so far (their KV is recomputed in the new cache). A `RunStarted` event
+        ("reconfigure", the changed fields) marks the change. Returns the resolved config.
 
         Each successful call appends a "reconfigure" entry to `runs` (old -> new user config; the same config
         again is recorded too: it gives a fresh cache). A refused config records nothing.
@@ -422,6 +428,23 @@ class Engine:
         self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
         return self.config
 
+    # ------------------------------------------------------------------------------------------ stories
+    def explain(self, request_id: str) -> "RequestStory":
+        """Why a request waited, and everything else that happened to it, from the event log (`cbnb.explain`):
+        arrival, each step it was left out with the reason and the numbers that decided it (and the config field
+        that would change that), its prompt chunks, prefix hits, offloads and restores, and its end.
+
+        Returns:
+            a `RequestStory`: ``.entries`` (data), ``.to_dict()``, ``.text()`` (also its ``str``).
+
+        Raises:
+            KeyError: no event of `request_id` is in the log (unknown id, telemetry off, or dropped from the log).
+        """
+        from .explain import explain_request
+
+        live = next((o for o in self.requests_snapshot() if o.request_id == request_id), None)
+        return explain_request(self.events, request_id, config=self.config, now=live)
+
     # ------------------------------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         """Figures for this run (since `reset_stats()`) and cumulative, plus the memory split (bytes).
@@ -446,10 +469,18 @@ class Engine:
             rec = self._loop.recorder
             return (rec.total if cumulative else rec.run).latency_samples()
 
-    def reset_stats(self) -> None:
-        """Start a new run for `stats()["run"]` (the cumulative figures keep counting)."""
+    def reset_stats(self, label: str = "", *, cause: str = "reset_stats", marker: bool = True) -> None:
+        """Start a new run for `stats()["run"]` (the cumulative figures keep counting).
+
+        Args:
+            label: what the new run is (shown by the live plots at the run's marker).
+            cause: the marker's cause ("reset_stats", "workload", "reconfigure").
+            marker: record a `RunStarted` event (the plots start a new segment there).
+        """
         with self._loop.lock:
             self._loop.recorder.reset_run()
+        if marker:
+            self._loop.recorder.mark_run(cause, label)
 
     def snapshot(self) -> KVSnapshot:
         """The KV page map now: every block's state, refcount, owner and fill, with the reserved padding blocks
@@ -477,3 +508,4 @@ class Engine:
         c = self.config
         return (f"Engine({type(self.model).__name__}, {self.state}, page_size={c.page_size}, "
                 f"num_blocks={c.num_blocks}, max_batch_tokens={c.max_batch_tokens}, scheduler={c.scheduler_type})")
+

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Iterable, TextIO
 __all__ = [
     "Event", "StepPlanned", "BlocksAllocated", "BlocksFreed", "BlocksShared", "BlocksDemoted", "BlocksDeduplicated",
     "PrefixHit", "Offload", "Restore", "CudaGraph", "StateChange", "StepTiming", "RequestAdded", "RequestWarning",
-    "RequestDone", "EventLog", "EVENT_TYPES",
+    "RequestDone", "RunStarted", "EventLog", "EVENT_TYPES",
 ]
 
 
@@ -226,10 +226,21 @@ class RequestDone(Event):
     num_soft_resets: int = 0
 
 
+@dataclass
+class RunStarted(Event):
+    """A new run begins after step `step`: `cause` "reconfigure" (the config changed; `label` names the changed
+    fields, e.g. "page_size=16, safety_margin=0.3"), "reset_stats" (`engine.reset_stats()`) or "workload" (a standard
+    workload was submitted). The live plots start a new segment here."""
+
+    kind: ClassVar[str] = "run_started"
+    cause: str = ""
+    label: str = ""
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepPlanned, BlocksAllocated, BlocksFreed, BlocksShared, BlocksDemoted,
                               BlocksDeduplicated, PrefixHit, Offload, Restore, CudaGraph, StateChange, StepTiming,
-                              RequestAdded, RequestWarning, RequestDone)
+                              RequestAdded, RequestWarning, RequestDone, RunStarted)
 }
 
 

@@ -73,12 +73,17 @@ class RequestHandle:
             decodes its text) on the caller's side, when first asked.
         tokenizer: decodes streamed and final text (None: outputs carry no text).
         cancel: the engine's ``cancel(request_id) -> bool``; held weakly, so a handle never keeps an engine alive.
+
+    Attributes:
+        request_id, prompt_token_ids: the request's id and prompt.
+        max_new_tokens: its generation limit in tokens, after the cap of the model's max positions (None: unbounded).
     """
 
     def __init__(self, request: Request, tokenizer: Any = None,
                  cancel: Callable[[str], bool] | None = None) -> None:
         self.request_id = request.request_id
         self.prompt_token_ids = list(request.prompt_ids)
+        self.max_new_tokens = request.max_new_tokens
         self._tokenizer = tokenizer
         self._cancel = weakref.WeakMethod(cancel) if hasattr(cancel, "__self__") else (lambda: cancel)
         self._q: queue.SimpleQueue = queue.SimpleQueue()

@@ -8,7 +8,7 @@ Four kinds of message, each with its own channel so that a flood of one never st
   queues hundreds of thousands of requests while the loop runs a few steps, and `stop()` must then end them all.
 - **cancellations** (a set of request ids): all applied every turn, and again right before a step's tokens are
   applied, so a cancel that lands while the step is in flight still wins (see `cbnb.phases.LoopState`).
-- **controls** (FIFO, all taken every turn): `Reconfigure` (and later other control messages).
+- **controls** (FIFO, all taken every turn): `Reconfigure`, `StepOnce` (one step of a paused loop).
 - **stop**: a mode ("drain" or "cancel") read by the loop every turn, never queued behind submissions.
 
 `request_stop()` closes the inbox to new submissions at once: every `submit` after `stop()` began raises
@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["EngineStoppedError", "Inbox", "Reconfigure", "MAX_SUBMISSIONS_PER_TURN"]
+__all__ = ["EngineStoppedError", "Inbox", "Reconfigure", "StepOnce", "MAX_SUBMISSIONS_PER_TURN"]
 
 #: Submissions the loop admits per turn at most (transformers' default `max_requests_per_batch`).
 MAX_SUBMISSIONS_PER_TURN = 1024
@@ -43,6 +43,16 @@ class Reconfigure:
 
     config: Any
     done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass
+class StepOnce:
+    """Ask a paused loop for exactly one scheduling step; `done` is set once it was applied (or when there was nothing
+    to schedule), with `step_id` the step planned (None when no request was waiting or running)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    step_id: int | None = None
     error: BaseException | None = None
 
 

@@ -15,9 +15,9 @@ step N is collected and applied, so the host prepares N+1 while the device compu
     device  ─── step N ──────────────────┘ ─── step N+1 ──────────────────────────────┘ ─── step N+2 ...
 
 Messages are drained only while no step is in flight, so everything they change sees applied state. `run()` picks
-the loop from the runner when the thread starts, and again after a reconfigure rebuilt the runner. Later additions
-(pausing, single steps, a slow-motion cap) belong in `LoopState.begin_turn()`, where every turn with no step in
-flight starts, in both loops.
+the loop from the runner when the thread starts, and again after a reconfigure rebuilt the runner. The step mode
+(pausing, single steps, the slow-motion cap) lives in `LoopState.begin_turn()`, where every turn with no step in
+flight starts, in both loops; the async loop applies its step in flight first whenever the step mode may hold.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def sync_loop(state: LoopState) -> str:
 def async_loop(state: LoopState) -> str:
     """Double-buffered: plan and launch N+1, then collect and apply N (the second diagram)."""
     while True:
-        if state.inflight is not None and state.inbox.pending():
-            if state.finish():  # messages see applied state
+        if state.inflight is not None and (state.inbox.pending() or state.gated):
+            if state.finish():  # messages (and the step mode) see applied state
                 return STOPPED
         if state.inflight is None:
             end = state.begin_turn()

@@ -3,7 +3,8 @@
 The phases, which `cbnb.loop.sync_loop` and `async_loop` put in order:
 
 - `begin_turn()`: `drain()` (control messages such as reconfigure, then up to `MAX_SUBMISSIONS_PER_TURN`
-  submissions through `Recorder.admit` → `EngineCore.add`, then cancellations), then whether to stop;
+  submissions through `Recorder.admit` → `EngineCore.add`, then cancellations), then whether to stop, then the
+  step mode's hold (below);
 - `plan()`: `EngineCore.schedule()` (admission, chunking, prefix hits, offload decisions) through `Recorder.plan`;
 - (the runner runs the step);
 - `apply()`: cancellations first, then `EngineCore.apply()` (tokens, finishing), new tokens to the handles,
@@ -15,24 +16,32 @@ request holds: it returns True only for a request that has not ended, and record
 recorded cancellations first. So once `cancel()` returned True, the request ends CANCELLED, and no token reaches its
 handle afterwards, even when its last step was in flight (the step's token for it is dropped at apply).
 
+**Step mode** (teaching). While `paused`, `begin_turn()` keeps draining messages (submissions are admitted and show
+as PENDING, cancellations and reconfigures apply) but plans no step, except one per `StepOnce` control
+(`Engine.step()`). With `step_rate` set (slow motion), a step is planned at most every 1/`step_rate` seconds. A stop
+overrides both. Both loops apply a step in flight before holding (`gated`), so "paused" always means "after the
+last step was applied".
+
 **Lifetime.** A `LoopState` holds no reference to its `Engine` (the thread runs `cbnb.loop.run(state)`), so an
 Engine nobody references is collected, and its finalizer (`cbnb.loop.finalize`) stops the loop and drops the pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from .handle import HandleTable, RequestHandle
-from .inbox import EngineStoppedError, Inbox, Reconfigure
+from .inbox import EngineStoppedError, Inbox, Reconfigure, StepOnce
 from .plan import StepResult, StepWork
 from .requests import Request, RequestState
 from .telemetry import Recorder
 
-__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED"]
+__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes"]
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED_ERROR = "engine stopped"  # the error of requests a stop() cancelled
@@ -80,6 +89,13 @@ class LoopState:
         self.failures = 0
         self._last_end = 0.0
         self._idle_s = 0.5
+        # Step mode (written by API threads, read by the loop): see the module docstring.
+        self.paused = False
+        self.step_rate: float | None = None  # steps per second at most (slow motion); None: no cap
+        self.parked = threading.Event()  # set while the loop holds, paused, after the last step
+        self._steps: deque[StepOnce] = deque()  # single steps asked for, not yet run (loop thread only)
+        self._stepping: StepOnce | None = None  # the single step being run
+        self._next_step_t = 0.0  # time.monotonic() before which slow motion plans no step
         self.exited = True  # no thread is running `cbnb.loop.run(self)`
         self.release_on_exit = False
         self.user_config = self.config = self.layout = self.memory = None
@@ -89,9 +105,11 @@ class LoopState:
     def install(self, config: Any, carry: list[Request] = ()) -> None:
         """Build the parts for `config`; `carry` (unfinished requests of the previous parts) is resumed in them."""
         parts = self.builder.build(config, sink=self.recorder.sink, on_terminal=self._on_terminal)
-        previous = self.runner
+        previous, previous_core = self.runner, self.core
         for name in ("user_config", "config", "layout", "memory", "cache", "store", "runner", "core"):
             setattr(self, name, getattr(parts, name))
+        if previous_core is not None:  # step numbers go on across a reconfigure (events, plots and stories)
+            self.core.step_id = previous_core.step_id
         self.recorder.attach(self.core, self.cache)
         if previous is not None:
             self.runner.inherit(previous)  # seeded requests keep their RNG streams
@@ -104,7 +122,7 @@ class LoopState:
         carry = self.core.take_unfinished()
         was_active = self.runner.active
         self.runner.deactivate()
-        old = self.user_config
+        old, before = self.user_config, self.config
         self.runner.release()  # free the old pool first: sizing measures free memory
         self.store = self.cache = None
         self.builder.empty_device_cache()
@@ -116,6 +134,7 @@ class LoopState:
         finally:
             if was_active:
                 self.runner.activate()
+        self.recorder.mark_run("reconfigure", config_changes(before, self.config))
 
     def release(self) -> None:
         """Drop the parts for good (the engine is gone): the KV pool and the runner's buffers are freed now."""
@@ -152,12 +171,52 @@ class LoopState:
     # ------------------------------------------------------------------------------------------ phases
     def begin_turn(self) -> str | None:
         """Start a turn with no step in flight: drain the inbox, then say whether the step loop must return
-        (REBUILT: the parts were rebuilt, pick the loop again; STOPPED) or go on (None)."""
-        if self.drain():
-            return REBUILT
-        if self.stopping():
-            return STOPPED
-        return None
+        (REBUILT: the parts were rebuilt, pick the loop again; STOPPED) or go on (None). While the step mode holds
+        (paused, or slow motion between steps) it waits here, draining every message that arrives."""
+        while True:
+            if self.drain():
+                end = REBUILT
+            elif self.stopping():
+                end = STOPPED
+            else:
+                wait = self._hold()
+                if wait is not None:
+                    self.recorder.flush()  # what was admitted while holding shows at once
+                    if not self.inbox.pending():
+                        self.inbox.wakeup.wait(wait)
+                    continue
+                end = None
+            self.parked.clear()
+            return end
+
+    @property
+    def gated(self) -> bool:
+        """Whether the step mode may hold the next turn (the async loop then applies its step in flight first)."""
+        return self.paused or bool(self.step_rate)
+
+    def _hold(self) -> float | None:
+        """Seconds to wait before the next step (paused, or slow motion), or None to go on now."""
+        if self.inbox.stop_mode is not None or self.state == "dead":
+            return None  # a stop runs to its end, paused or not
+        if not self.paused:
+            while self._steps:  # resumed with single steps still asked for: the loop runs anyway
+                self._steps.popleft().done.set()
+            if self.step_rate and self.core.has_work:
+                left = self._next_step_t - time.monotonic()
+                if left > 0:
+                    return left
+            return None
+        if self._steps:
+            self._stepping = self._steps.popleft()
+            return None
+        self.parked.set()
+        return 0.5
+
+    def _step_done(self) -> None:
+        """The single step being run (if any) was applied, failed, or found nothing to schedule."""
+        s, self._stepping = self._stepping, None
+        if s is not None:
+            s.done.set()
 
     def drain(self) -> bool:
         """Apply queued messages. True when a reconfigure rebuilt the parts (the caller picks its loop again)."""
@@ -173,6 +232,8 @@ class LoopState:
                     finally:
                         rebuilt = True
                         msg.done.set()
+                elif isinstance(msg, StepOnce):
+                    self._steps.append(msg)
             for req in self.inbox.take_submissions():
                 self.recorder.admit(self.core, req)
             self._settle_cancels()
@@ -199,10 +260,16 @@ class LoopState:
             self._settle_cancels()
             if not self.core.has_work:
                 self._idle_s = 0.5
+                self._step_done()
                 return None
             work, t0 = self.recorder.plan(self.core)
+        if self.step_rate:
+            self._next_step_t = time.monotonic() + 1.0 / self.step_rate
+        if self._stepping is not None:
+            self._stepping.step_id = work.step_id
         if work.empty and not work.swap_outs:
             self._idle_s = 0.01  # work, but nothing schedulable now: try again shortly
+            self._step_done()
             return None
         return Step(work, t0)
 
@@ -225,6 +292,7 @@ class LoopState:
             self._last_end = t2
         self.failures = 0
         self.recorder.flush()
+        self._step_done()
 
     def _stream(self, req: Request) -> None:
         """Deliver the request's new tokens that may be streamed (with stop strings: those that cannot be part of
@@ -242,6 +310,7 @@ class LoopState:
             self.core.fail_batch(step.work, error)
         self.failures += 1
         self.recorder.flush()
+        self._step_done()
         if self.failures >= MAX_CONSECUTIVE_FAILURES:
             self.die(error, f"{self.failures} consecutive failed steps; last: {type(error).__name__}: {error}")
             return True
@@ -285,6 +354,9 @@ class LoopState:
             for msg in controls:
                 msg.error = EngineStoppedError(reason)
                 msg.done.set()
+            self._step_done()
+            while self._steps:
+                self._steps.popleft().done.set()
             if not dead:
                 self.state = "stopped"
         self.recorder.flush()
@@ -311,3 +383,13 @@ class LoopState:
         self.recorder.request_done(req)
         self.recent.append(req)
         self.handles.finish(req)  # its output is built on the caller's side, when asked
+
+
+def config_changes(old: Any, new: Any) -> str:
+    """The fields of two (resolved) configs that differ, as "page_size=16, safety_margin=0.3" ("no change")."""
+    parts = []
+    for f in dataclasses.fields(new):
+        a, b = getattr(old, f.name, None), getattr(new, f.name, None)
+        if a != b:
+            parts.append(f"{f.name}={b!r}" if isinstance(b, str) else f"{f.name}={b}")
+    return ", ".join(parts) or "no change"

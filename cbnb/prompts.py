@@ -27,7 +27,7 @@ from typing import Any
 
 from .requests import SamplingParams
 
-__all__ = ["ACCEPTED", "prompt_ids", "split_batch", "sampling_params"]
+__all__ = ["ACCEPTED", "prompt_ids", "prompt_preview", "split_batch", "sampling_params"]
 
 ACCEPTED = ("text (str), chat messages (a list of {'role', 'content'} dicts), token ids (a list/tuple of ints, a "
             "1-D torch tensor or numpy array), or a tokenizer output with 'input_ids' (one row)")
@@ -213,3 +213,19 @@ def sampling_params(prompt_len: int, args: Mapping[str, Any], *, eos_token_id: A
         if sp.max_new_tokens is not None and sp.max_new_tokens > cap:
             sp = dataclasses.replace(sp, max_new_tokens=cap)
     return sp, cap
+
+
+def prompt_preview(prompt: Any, max_chars: int = 200) -> str | None:
+    """The words a person typed, for display: a text prompt itself, or the last user message of chat messages
+    (without the chat template around it), cut to `max_chars`; None for token ids and tokenizer outputs."""
+    text = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        users = [m for m in prompt if m.get("role") == "user"] or list(prompt)
+        content = users[-1].get("content")
+        text = content if isinstance(content, str) else None
+    if text is None:
+        return None
+    text = " ".join(text.split())
+    return text[:max_chars]

@@ -140,8 +140,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "token_times",
-        "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason", "dropped",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "prompt_text",
+        "token_times", "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason", "dropped",
     )
 
     def __init__(
@@ -203,6 +203,7 @@ class Request:
         self.warning: str | None = None  # set at admission when the request can never fit the cache
         self.text: str = ""
         self.user_data: Any = None
+        self.prompt_text: str | None = None  # the words typed (text prompts and chat messages), for display
         # Per generated token (None: not asked for), see `TokenLogprob`.
         self.logprobs: list[TokenLogprob] | None = [] if self.sampling.logprobs is not None else None
         self.stopper = stopper  # a `cbnb.stops.StopMatcher` when the request has stop strings
@@ -343,6 +344,7 @@ class Request:
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
+            prompt_text=self.prompt_text,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             stop_reason=self.stop_reason,
             processors=tuple(self.sampling.describe()),
@@ -378,6 +380,8 @@ class RequestOutput:
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
+        prompt_text: the prompt as typed (a text prompt, or the last user message of chat messages; whitespace
+            collapsed, at most 200 characters), None for token ids.
         logprobs: one `TokenLogprob` per generated token when asked for (`logprobs=k` or
             `ContinuousBatchingConfig.return_logprobs`), else None.
         stop_reason: the stop string that ended the request (finish reason "stop"), else None.
@@ -403,6 +407,7 @@ class RequestOutput:
     num_offloads: int = 0
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
+    prompt_text: str | None = None
     logprobs: list["TokenLogprob"] | None = None
     stop_reason: str | None = None
     processors: tuple[str, ...] = ()

@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 from .cache.snapshot import kv_usage
 from .events import (BlocksAllocated, BlocksDeduplicated, BlocksDemoted, BlocksFreed, BlocksShared, CudaGraph, Event,
-                     EventLog, Offload, PrefixHit, RequestAdded, RequestDone, RequestWarning, Restore, StateChange,
-                     StepPlanned, StepTiming)
+                     EventLog, Offload, PrefixHit, RequestAdded, RequestDone, RequestWarning, Restore, RunStarted,
+                     StateChange, StepPlanned, StepTiming)
 from .plan import StepResult, StepWork
 from .requests import Request
 from .stats import RunStats
@@ -82,6 +82,11 @@ class Recorder:
     def reset_run(self) -> None:
         """Start a new run for `run` (the cumulative figures keep counting)."""
         self.run = RunStats()
+
+    def mark_run(self, cause: str, label: str = "") -> None:
+        """Record a `RunStarted` marker (any thread: it goes to the log at once, after the steps already there)."""
+        if self.enabled:
+            self.events.append(RunStarted(self._step_id(), self.clock(), cause, label))
 
     def _step_id(self) -> int:
         return self.core.step_id if self.core is not None else 0

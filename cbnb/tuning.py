@@ -47,6 +47,7 @@ drives every helper through an engine-like object that has nothing more than thi
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -87,6 +88,19 @@ def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
     return resolved
 
 
+def _reset_stats(engine: Any, label: str) -> None:
+    """`engine.reset_stats()`, labelled as a workload run where the engine marks runs (cbnb's live plots start a
+    segment there, `cbnb.events.RunStarted`); engine-likes without run markers take no arguments."""
+    try:
+        marks = "cause" in inspect.signature(engine.reset_stats).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin or C method)
+        marks = False
+    if marks:
+        engine.reset_stats(label, cause="workload")
+    else:
+        engine.reset_stats()
+
+
 def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: Any = None,
                  timeout: float | None = 3600.0, label: str = "", log: bool | RunLog = True,
                  reset_stats: bool = True, time_scale: float = 1.0, submit_kwargs: dict[str, Any] | None = None,
@@ -112,7 +126,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     if driver.clock.threaded and hasattr(engine, "start"):
         engine.start()  # on a virtual clock the caller's thread drives the engine: no thread of its own
     if reset_stats and hasattr(engine, "reset_stats"):
-        engine.reset_stats()
+        _reset_stats(engine, f"workload {workload_label or getattr(workload, 'name', '')}".strip())
     records = driver.run(timeout)
     metrics = summarize(records, slo=slo, duration_s=driver.duration_s)
     stats = engine.stats() if hasattr(engine, "stats") else None

@@ -10,7 +10,7 @@ CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", 
         "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads",
         # the engine's runner-agnostic parts, shared with the simulator
         "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop",
-        "cbnb.sampling_params", "cbnb.generation", "cbnb.stops"]
+        "cbnb.explain", "cbnb.step_mode", "cbnb.sampling_params", "cbnb.generation", "cbnb.stops"]
 
 
 def _loaded_after(code: str) -> set[str]:

@@ -216,7 +216,19 @@ def test_plots_hold_current_series_in_synced_state(engine):
     assert state["steps"]["step"] == plots.steps["step"] and state["series"] == plots.series
     assert plots._lib and plots._lib != plots.model_id
     msg(plots, kind="new_run")
-    assert plots.steps["step"] == b"" and engine.stats()["run"]["steps"] == 0
+    assert engine.stats()["run"]["steps"] == 0
+    # A new run is a new segment at this step (earlier ones stay, faded): its marker, and the rows after it.
+    last = int(steps[-1])
+    engine.submit(ids(33), max_new_tokens=3).result(30)
+    poller.tick(force=True)
+    assert [(r["index"], r["cause"]) for r in plots.runs] == [(0, "start"), (1, "reset_stats")]
+    assert plots.runs[1]["step"] == last and plots.runs[1]["label"] == "New run button"
+    arr = plots.series_arrays()
+    run = arr["steps"]["run"][arr["steps"]["step"] > last]
+    assert len(run) == 3 and (run == 1).all() and (arr["steps"]["run"][arr["steps"]["step"] <= last] == 0).all()
+    series = arr["series"]
+    assert np.isnan(series["step"]).any()  # the lines break where the segment starts
+    assert plots.summary["run_index"] == 1
 
 
 @pytest.mark.slow

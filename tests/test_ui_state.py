@@ -94,12 +94,14 @@ def test_request_rows_carry_the_source():
 
 def test_stream_items_mark_terminal_states_and_use_final_text():
     tt = TextTracker(CharTokenizer())
-    reqs = [out("r0", RequestState.DECODING, 2, max_new_tokens=4), out("r1", RequestState.FINISHED, 3, text="final text"),
+    reqs = [out("r0", RequestState.DECODING, 2, max_new_tokens=4, prompt_text="What is   the capital of France?"),
+            out("r1", RequestState.FINISHED, 3, text="final text"),
             out("r2", RequestState.CANCELLED, 1, error="cancelled")]
     items = stream_items(reqs, tt)
     assert [i["id"] for i in items] == ["r0", "r2", "r1"]
     assert items[0] == {"id": "r0", "state": "DECODING", "text": "AB", "n": 2, "max": 4, "error": "", "reason": "",
-                        "lp": []}
+                        "prompt": "What is the capital of France?", "lp": []}  # the words typed, whitespace collapsed
+    assert items[2]["prompt"] == "\x00\x01\x02\x03\x04"  # ids given: decoded by the tokenizer
     assert items[2]["text"] == "final text" and items[1]["error"] == "cancelled"
 
 
@@ -134,7 +136,8 @@ def test_step_series_counts_left_out_requests_by_reason():
     s.add_events([step_event(k, 1, 1) for k in range(3, 6)])
     assert s.column("step").tolist() == [3, 4, 5]  # bounded window
     arrays = s.arrays()
-    assert set(arrays) == {"step", "prefill", "decode", "budget", "requests"} | {f"skip_{r}" for r in SKIP_REASONS}
+    assert set(arrays) == {"step", "t", "run", "prefill", "decode", "budget", "requests"} | {
+        f"skip_{r}" for r in SKIP_REASONS}
     assert np.frombuffer(arrays["step"], dtype=np.float32).tolist() == [3, 4, 5]
     s.add_events([step_event(1, 10, 0)])  # a reconfigured engine counts from 1 again: start afresh
     assert s.column("step").tolist() == [1]

@@ -109,3 +109,63 @@ function cbnbBytesText(n) {
 function cbnbStateBadge(state) {
   return cbnbEl("span", `cbnb-badge cbnb-state-${String(state).toLowerCase()}`, state);
 }
+
+// ---------------------------------------------------------------------------------------------- presentation
+// Colours follow JupyterLab's theme: body[data-jp-theme-light] says light or dark, and the --jp-* variables give
+// the text and border colours. Canvas and plotly colours come from here; CSS uses the variables directly.
+const CBNB_REASON_COLORS = {
+  light: { token_budget: "#e45756", cache_budget: "#f58518", request_cap: "#b279a2", safety_margin: "#54a24b",
+    no_free_blocks: "#4c78a8", stalled_ahead: "#9d755d", offload_backoff: "#d4a200", finishing: "#72b7b2" },
+  dark: { token_budget: "#ff7b7b", cache_budget: "#ffa654", request_cap: "#d6a3ce", safety_margin: "#7fd07a",
+    no_free_blocks: "#7fb0e8", stalled_ahead: "#c9a183", offload_backoff: "#f2d24b", finishing: "#8fd8d2" },
+};
+const CBNB_PALETTES = {
+  light: { prefill: "#4c78a8", decode: "#72b7b2", decodeLine: "#1b7f79", blue: "#4c78a8", green: "#54a24b",
+    orange: "#f58518", red: "#e45756", purple: "#b279a2", brown: "#9d755d", teal: "#72b7b2", grey: "#9a9a9a" },
+  dark: { prefill: "#6f9fd8", decode: "#5fb7b0", decodeLine: "#8fe3dc", blue: "#7fb0e8", green: "#7fd07a",
+    orange: "#ffa654", red: "#ff7b7b", purple: "#d6a3ce", brown: "#c9a183", teal: "#8fd8d2", grey: "#b0b0b0" },
+};
+
+function cbnbIsDark() {
+  const light = document.body && document.body.dataset ? document.body.dataset.jpThemeLight : undefined;
+  if (light === "true") return false;
+  if (light === "false") return true;
+  return !!(globalThis.matchMedia && globalThis.matchMedia("(prefers-color-scheme: dark)").matches);
+}
+
+function cbnbTheme(el) {
+  const dark = cbnbIsDark();
+  const cs = getComputedStyle(el || document.body);
+  const v = (name, fallback) => (cs.getPropertyValue(name) || "").trim() || fallback;
+  const key = dark ? "dark" : "light";
+  const reasons = CBNB_REASON_COLORS[key];
+  return {
+    dark,
+    fg: v("--jp-ui-font-color1", dark ? "#e0e0e0" : "#222222"),
+    fg2: v("--jp-ui-font-color2", dark ? "#b8b8b8" : "#555555"),
+    grid: v("--jp-border-color2", dark ? "#4a4a4a" : "#e0e0e0"),
+    bg: v("--jp-layout-color1", dark ? "#111111" : "#ffffff"),
+    veil: dark ? "rgba(20,20,20,0.55)" : "rgba(255,255,255,0.6)",
+    pal: CBNB_PALETTES[key],
+    reason: (r) => reasons[r] || (dark ? "#cccccc" : "#888888"),
+  };
+}
+
+// The font scale of presentation mode (1x-2x), a CSS variable set on <html> by the dashboard's controls.
+function cbnbScale(el) {
+  const s = parseFloat(getComputedStyle(el || document.documentElement).getPropertyValue("--cbnb-scale"));
+  return s > 0 ? s : 1;
+}
+
+// Call `fn` after a JupyterLab theme switch (once the new theme's variables apply) and after a font-scale change.
+// Returns the function that stops listening.
+function cbnbOnTheme(fn) {
+  let t = null;
+  const later = () => { if (t) clearTimeout(t); t = setTimeout(() => { t = null; fn(); }, 150); };
+  const mo = typeof MutationObserver !== "undefined" ? new MutationObserver(later) : null;
+  if (mo && document.body) {
+    mo.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light", "data-jp-theme-name"] });
+  }
+  globalThis.addEventListener("cbnb:presentation", later);
+  return () => { if (mo) mo.disconnect(); if (t) clearTimeout(t); globalThis.removeEventListener("cbnb:presentation", later); };
+}

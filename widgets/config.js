@@ -1,11 +1,14 @@
-// Config panel: one control per ContinuousBatchingConfig field with a one-line explanation, a memory preview
-// (current vs proposed), the config as transformers code, and Apply / Reset.
+// Config panel: one compact control per ContinuousBatchingConfig field in two columns (cache | scheduling; the
+// CUDA-only fields folded away on CPU; each field's explanation as its tooltip), a memory preview (current vs
+// proposed), the config as transformers code, and a sticky Apply / Reset bar with the result next to it.
 
 const MEM_PARTS = [
   ["weights", "weights", "#9d755d"], ["kv_cache", "KV cache", "#4c78a8"],
   ["activations", "activations", "#f58518"], ["logits", "logits", "#e45756"], ["cuda_graphs", "CUDA graphs", "#72b7b2"],
   ["swap_pool", "host swap", "#bab0ac"],
 ];
+const CFG_APPLY_TIP = "Reconfigure the engine now, also mid-run: unfinished requests are kept and their KV is "
+  + "recomputed in the new cache (swapped-out ones too); the plots start a new run at this step";
 
 function cfgFormat(f, v) {
   if (typeof v === "boolean") return v ? "on" : "off";
@@ -21,35 +24,61 @@ function initialize({ model }) {
 
 function render({ model, el }) {
   const f = cbnbFrame(el, model, "cbnb-config", "Config");
-  const form = cbnbEl("div", "cbnb-config-form");
+  const cols = cbnbEl("div", "cbnb-config-cols");
+  const colCache = cbnbEl("div", "cbnb-config-col");
+  const colSched = cbnbEl("div", "cbnb-config-col");
+  const cacheHead = cbnbEl("div", "cbnb-row cbnb-config-colhead");
+  const lockLabel = cbnbEl("label", "cbnb-lock");
+  const lock = cbnbEl("input", "cbnb-lock-bytes");
+  lock.type = "checkbox";
+  lockLabel.title = "Changing page_size rescales num_blocks so that the cache keeps its bytes "
+    + "(num_blocks x page_size stays the same)";
+  lockLabel.append(lock, cbnbEl("span", null, "keep cache bytes fixed"));
+  cacheHead.append(cbnbEl("span", "cbnb-subtitle", "KV cache"), lockLabel);
+  const formCache = cbnbEl("div", "cbnb-config-form");
+  colCache.append(cacheHead, formCache);
+  const formSched = cbnbEl("div", "cbnb-config-form");
+  const cuda = cbnbEl("details", "cbnb-cuda-fields");
+  const cudaSum = cbnbEl("summary", "cbnb-subtitle");
+  const formCuda = cbnbEl("div", "cbnb-config-form");
+  cuda.append(cudaSum, formCuda);
+  colSched.append(cbnbEl("div", "cbnb-subtitle cbnb-config-colhead", "Scheduling"), formSched, cuda);
+  cols.append(colCache, colSched);
+
   const mem = cbnbEl("div", "cbnb-memory");
   const memText = cbnbEl("div", "cbnb-hint cbnb-memory-text");
   const memErr = cbnbEl("div", "cbnb-message cbnb-msg-error cbnb-memory-error");
-  const buttons = cbnbEl("div", "cbnb-row");
-  const apply = cbnbEl("button", "cbnb-btn cbnb-primary cbnb-apply", "Apply");
-  apply.title = "Reconfigure the engine once no request is unfinished (queued requests finish first: nothing is lost)";
-  const reset = cbnbEl("button", "cbnb-btn cbnb-reset", "Reset");
-  reset.title = "Discard the edits";
-  const changed = cbnbEl("span", "cbnb-hint cbnb-changed");
-  buttons.append(apply, reset, changed);
   const codeHead = cbnbEl("div", "cbnb-row");
   const copy = cbnbEl("button", "cbnb-btn cbnb-small cbnb-copy", "Copy");
   codeHead.append(cbnbEl("span", "cbnb-subtitle", "transformers code"), copy);
   const code = cbnbEl("pre", "cbnb-code");
-  f.body.append(form, cbnbEl("div", "cbnb-subtitle", "Memory: current vs proposed"), mem, memText, memErr, buttons, codeHead, code);
+  // The bar sticks to the bottom of the notebook's view while the panel is taller than it; the panel's message
+  // line (Apply's result) sits in it, next to the buttons.
+  const bar = cbnbEl("div", "cbnb-apply-bar");
+  const apply = cbnbEl("button", "cbnb-btn cbnb-primary cbnb-apply", "Apply");
+  apply.title = CFG_APPLY_TIP;
+  const reset = cbnbEl("button", "cbnb-btn cbnb-reset", "Reset");
+  reset.title = "Discard the edits";
+  const changed = cbnbEl("span", "cbnb-hint cbnb-changed");
+  bar.append(apply, reset, changed, f.msg);
+  const bottom = cbnbEl("div", "cbnb-config-bottom");
+  const memBox = cbnbEl("div");
+  memBox.append(cbnbEl("div", "cbnb-subtitle", "Memory: current vs proposed"), mem, memText, memErr);
+  const codeBox = cbnbEl("div");
+  codeBox.append(codeHead, code);
+  bottom.append(memBox, codeBox);
+  f.body.append(cols, bottom, bar);
 
   const controls = {}; // name -> {input, out, row, field}
-  let local = { ...(model.get("values") || {}) };
 
   const push = (name, value) => {
-    local = { ...model.get("values"), [name]: value };
-    model.set("values", local);
+    model.set("values", { ...model.get("values"), [name]: value });
     model.save_changes();
     refresh();
   };
 
   const build = () => {
-    form.replaceChildren();
+    for (const form of [formCache, formSched, formCuda]) form.replaceChildren();
     for (const fd of model.get("fields") || []) {
       const row = cbnbEl("div", "cbnb-config-row");
       row.dataset.field = fd.name;
@@ -68,7 +97,8 @@ function render({ model, el }) {
           r.type = "radio"; r.name = `cbnb-${fd.name}-${Math.random().toString(36).slice(2)}`; r.value = o;
           r.dataset.option = o;
           r.addEventListener("change", () => { if (r.checked) push(fd.name, o); });
-          l.append(r, cbnbEl("span", null, o));
+          l.append(r, cbnbEl("span", null, o === "max_memory_percent" ? "memory %" : "blocks"));
+          l.title = o;
           input.append(l);
         }
       } else if (fd.kind === "toggle") {
@@ -83,9 +113,10 @@ function render({ model, el }) {
       }
       input.classList.add("cbnb-config-input");
       input.dataset.field = fd.name;
-      const help = cbnbEl("div", "cbnb-config-help", fd.help);
-      row.append(label, input, out, help);
-      form.append(row);
+      // The field's explanation is its tooltip (rows are "display: contents": the title goes on each cell).
+      for (const cell of [label, input, out]) cell.title = `${fd.name}: ${fd.help || ""}`;
+      row.append(label, input, out);
+      (fd.cuda_only ? formCuda : fd.group === "scheduling" ? formSched : formCache).append(row);
       controls[fd.name] = { input, out, row, field: fd };
     }
     refresh();
@@ -108,23 +139,29 @@ function render({ model, el }) {
       c.row.classList.toggle("cbnb-changed-row", diff);
       const off = (name === "num_blocks" && vals.sizing !== "num_blocks")
         || (name === "max_memory_percent" && vals.sizing === "num_blocks")
-        || ((name === "use_cuda_graph" || name === "use_async_batching") && device !== "cuda");
+        || (fd.cuda_only && device !== "cuda");
       c.row.classList.toggle("cbnb-inactive", off);
     }
+    cudaSum.textContent = device === "cuda" ? "CUDA graphs and padding" : `CUDA-only fields (no effect on ${device})`;
+    if (device === "cuda" && !cuda.dataset.touched) cuda.open = true;
+    lock.checked = !!model.get("lock_bytes");
     changed.textContent = nChanged ? `${nChanged} change${nChanged > 1 ? "s" : ""} not applied yet` : "no pending changes";
     const busy = !!model.get("busy");
     const m = model.get("memory") || {};
     apply.disabled = busy || !!m.error;
     apply.textContent = busy ? "Applying…" : "Apply";
-    code.textContent = model.get("code") || "";
+    const text = model.get("code") || "";
+    code.classList.toggle("cbnb-code-invalid", !!m.error);
+    // While an edit is invalid there is no code for it: never show the code of older values.
+    code.textContent = m.error ? `# not valid yet: ${m.error}\n# (the code appears once the values are valid)` : text;
     drawMemory(m);
   };
 
   const drawMemory = (m) => {
-    const cur = m.current || {}, prop = m.proposed || {};
+    const cur = m.current || {}, prop = m.error ? {} : (m.proposed || {});
     const total = (s) => MEM_PARTS.reduce((a, [k]) => a + (s[k] || 0), 0);
     const max = Math.max(total(cur), total(prop), 1);
-    const bar = (label, s) => {
+    const bar = (label, s, note) => {
       const row = cbnbEl("div", "cbnb-mem-row");
       row.append(cbnbEl("span", "cbnb-mem-label", label));
       const track = cbnbEl("div", "cbnb-mem-track");
@@ -137,7 +174,8 @@ function render({ model, el }) {
         seg.dataset.part = k;
         track.append(seg);
       }
-      row.append(track, cbnbEl("span", "cbnb-mem-total", cbnbBytesText(total(s))));
+      if (note) track.append(cbnbEl("span", "cbnb-mem-note", note));
+      row.append(track, cbnbEl("span", "cbnb-mem-total", note ? "–" : cbnbBytesText(total(s))));
       return row;
     };
     const legend = cbnbEl("div", "cbnb-legend");
@@ -146,11 +184,13 @@ function render({ model, el }) {
       const it = cbnbEl("span", "cbnb-legend-item");
       const sw = cbnbEl("span", "cbnb-swatch");
       sw.style.background = color;
-      it.append(sw, cbnbEl("span", null, `${name} ${cbnbBytesText(cur[k] || 0)} → ${cbnbBytesText(prop[k] || 0)}`));
+      // An invalid edit has no proposed split: "→ ?" rather than a false "→ 0 B".
+      const to = m.error ? "?" : cbnbBytesText(prop[k] || 0);
+      it.append(sw, cbnbEl("span", null, `${name} ${cbnbBytesText(cur[k] || 0)} → ${to}`));
       legend.append(it);
     }
-    mem.replaceChildren(bar("current", cur), bar("proposed", m.error ? {} : prop), legend);
-    memText.textContent = m.text || "";
+    mem.replaceChildren(bar("current", cur), bar("proposed", prop, m.error ? "not valid" : ""), legend);
+    memText.textContent = m.error ? "" : (m.text || "");
     memErr.textContent = m.error || "";
     memErr.style.display = m.error ? "" : "none";
   };
@@ -160,10 +200,12 @@ function render({ model, el }) {
     catch (e) { copy.textContent = "Select the text to copy"; }
     setTimeout(() => { copy.textContent = "Copy"; }, 1500);
   });
+  cuda.addEventListener("toggle", () => { cuda.dataset.touched = "1"; });
+  lock.addEventListener("change", () => { model.set("lock_bytes", lock.checked); model.save_changes(); });
   apply.addEventListener("click", () => model.send({ kind: "apply", values: model.get("values") }));
   reset.addEventListener("click", () => model.send({ kind: "reset" }));
 
-  const names = ["values", "applied", "memory", "code", "busy", "device"];
+  const names = ["values", "applied", "memory", "code", "busy", "device", "lock_bytes"];
   const schedule = cbnbOnFrame(refresh);
   for (const n of names) model.on(`change:${n}`, schedule);
   model.on("change:fields", build);

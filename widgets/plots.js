@@ -1,6 +1,7 @@
 // Live plots: plotly.js draws six charts from float32 series held in traitlets, so a reloaded page shows the
 // current data. plotly.js itself comes once per kernel from a hidden PlotlyLib widget (model id in `_lib`) and is
-// evaluated once per page.
+// evaluated once per page. Every chart shares the engine's step number as x, follows the last `window` steps, and
+// marks run segments (reconfigure, reset_stats, workload) with a labelled line; earlier segments are faded.
 
 function loadPlotly(model) {
   if (globalThis.Plotly) return Promise.resolve(globalThis.Plotly);
@@ -22,91 +23,174 @@ function loadPlotly(model) {
   return globalThis.__cbnbPlotly;
 }
 
-const PLOT_REASON_COLORS = ["#e45756", "#f58518", "#b279a2", "#9d755d", "#bab0ac", "#72b7b2"];
+// The x range every chart shows, following recent activity: the current run, with as many steps of context before
+// it (at least 20), at most the last `window` steps; so a short new run is never squeezed against a long history.
+function plotsRange(step, tstep, windowSteps, run) {
+  let lo = Infinity, hi = -Infinity;
+  for (const xs of [step, tstep]) for (const v of xs) if (Number.isFinite(v)) { if (v < lo) lo = v; if (v > hi) hi = v; }
+  if (!Number.isFinite(hi)) return [0, 10];
+  lo = Math.max(lo, hi - windowSteps + 1);
+  if (run && run.index > 0 && run.step < hi) lo = Math.max(lo, run.step - Math.max(20, hi - run.step));
+  return [lo - 0.5, Math.max(hi + 0.5, lo + 9.5)];
+}
 
 // The six charts, each its own small plotly figure, so that a redraw blocks the page for one small chart at most.
 // Returns builders: a chart's arrays are converted only when it is drawn.
-function plotsFigures(model) {
+function plotsFigures(model, theme, scale) {
   const st = model.get("steps") || {};
   const se = model.get("series") || {};
   const sm = model.get("summary") || {};
   const reasons = model.get("reasons") || [];
+  const info = model.get("reason_info") || {};
+  const runs = model.get("runs") || [];
   const S = (k) => Array.from(cbnbFloats(st[k]));
   const T = (k) => Array.from(cbnbFloats(se[k]));
-  const step = S("step"), t = T("t");
+  const step = S("step"), tstep = T("step"), tt = T("t");
+  const cur = runs.length ? runs[runs.length - 1] : { index: 0, step: 0, label: "" };
+  const range = plotsRange(step, tstep, model.get("window") || 240, cur);
+  const fs = (px) => Math.round(px * scale * 10) / 10;
   const line = (name, x, y, color, extra = {}) => {
     const { line: l = {}, ...rest } = extra;
-    return { type: "scatter", mode: "lines", name, x, y, ...rest, line: { color, width: 1.5, ...l } };
+    return { type: "scatter", mode: "lines", name, x, y, ...rest, line: { color, width: 1.8, ...l } };
   };
+  // Time traces: x is the step the engine had reached; the hover also gives the time.
+  const tline = (name, key, color, extra = {}, fmt = ".1f") => line(name, tstep, T(key), color, {
+    customdata: tt, hovertemplate: `%{y:${fmt}} (t %{customdata:.1f} s)`, ...extra });
   // Stacked step areas: one SVG path per trace whatever the number of steps.
-  const area = (name, y, color, group) => ({ type: "scatter", mode: "lines", name, x: step, y, stackgroup: group,
-    line: { shape: "hv", width: 0.5, color }, fillcolor: color });
-  const layout = (title, xTitle, yTitle, extra = {}) => ({
-    height: 240, margin: { l: 48, r: extra.yaxis2 ? 44 : 12, t: 44, b: 32 },
-    title: { text: title, font: { size: 11 }, x: 0.01, xanchor: "left", y: 0.98, yanchor: "top" },
-    paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", hovermode: "x",
-    legend: { orientation: "h", x: 0, y: 1.02, xanchor: "left", yanchor: "bottom", font: { size: 9 } },
-    xaxis: { title: { text: xTitle, font: { size: 9 }, standoff: 2 }, tickfont: { size: 9 } },
-    yaxis: { title: { text: yTitle, font: { size: 9 } }, tickfont: { size: 9 }, rangemode: "tozero" },
-    ...extra, datarevision: Date.now(),
-  });
-  const y2 = (title, extra = {}) => ({ title: { text: title, font: { size: 9 } }, tickfont: { size: 9 }, overlaying: "y",
-    side: "right", rangemode: "tozero", showgrid: false, ...extra });
+  const area = (name, y, color, group, extra = {}) => ({ type: "scatter", mode: "lines", name, x: step, y,
+    stackgroup: group, line: { shape: "hv", width: 0.5, color }, fillcolor: color, ...extra });
+  const axis = (title, extra = {}) => ({ title: { text: title, font: { size: fs(10) }, standoff: 4 },
+    tickfont: { size: fs(10) }, gridcolor: theme.grid, linecolor: theme.grid, zerolinecolor: theme.grid,
+    rangemode: "tozero", automargin: true, ...extra });
+  // Run segments: a dashed line where each run starts (labelled), and a veil over everything before this run.
+  const shapes = [], notes = [];
+  const inRange = (x) => x > range[0] && x < range[1];
+  // Labels: the newest run in full; an older one as "run k" where there is room before the next label.
+  const shown = runs.filter((r) => r.index > 0 && inRange(r.step + 0.5));
+  let nextX = Infinity;
+  for (let k = shown.length - 1; k >= 0; k--) {
+    const r = shown[k], x = r.step + 0.5;
+    shapes.push({ type: "line", xref: "x", yref: "paper", x0: x, x1: x, y0: 0, y1: 1,
+      line: { color: theme.fg2, width: 1, dash: "dash" } });
+    const newest = k === shown.length - 1;
+    if (!newest && nextX - x < 0.12 * (range[1] - range[0])) continue;
+    const full = `run ${r.index}: ${r.label || r.cause}`;
+    notes.push({ text: newest ? (full.length > 44 ? full.slice(0, 43) + "…" : full) : `run ${r.index}`, x, y: 1,
+      xref: "x", yref: "paper", xanchor: "left", yanchor: "top", showarrow: false, align: "left",
+      font: { size: fs(9), color: theme.fg2 }, bgcolor: theme.veil, borderpad: 1 });
+    nextX = x;
+  }
+  if (cur.index > 0 && cur.step + 0.5 > range[0]) {
+    shapes.push({ type: "rect", xref: "x", yref: "paper", x0: range[0], x1: Math.min(range[1], cur.step + 0.5),
+      y0: 0, y1: 1, fillcolor: theme.veil, line: { width: 0 }, layer: "above" });
+  }
+  const layout = (title, yTitle, extra = {}) => {
+    const { annotations = [], ...rest } = extra;
+    return {
+      height: Math.round(250 * (1 + 0.6 * (scale - 1))),
+      margin: { l: Math.round(52 * scale), r: Math.round((rest.yaxis2 ? 52 : 14) * scale), t: Math.round(58 * scale),
+        b: Math.round(36 * scale) },
+      title: { text: title, font: { size: fs(12), color: theme.fg }, x: 0.01, xanchor: "left", y: 0.985,
+        yanchor: "top" },
+      font: { color: theme.fg }, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+      hovermode: "x unified", showlegend: true,
+      hoverlabel: { bgcolor: theme.bg, font: { color: theme.fg, size: fs(11) } },
+      legend: { orientation: "h", x: 0, y: 1.02, xanchor: "left", yanchor: "bottom", font: { size: fs(10) } },
+      xaxis: axis("step", { range, autorange: false, rangemode: "normal" }),
+      yaxis: axis(yTitle),
+      shapes, annotations: [...notes, ...annotations],
+      ...rest, datarevision: Date.now(),
+    };
+  };
+  // Right axes: plotly aligns an overlaying axis's ticks to the left grid by default ("sync"), which gives ticks
+  // such as 29.7 / 59.4 / 89.1; "auto" picks round numbers.
+  const y2 = (title, extra = {}) => axis(title, { overlaying: "y", side: "right", showgrid: false, tickmode: "auto",
+    nticks: 6, ...extra });
+  // Counts are whole numbers: ticks 1 apart at least (plotly's own choice for a small range is 0.5: "0, 1, 1, 2").
+  const intAxis = (ys) => {
+    let m = 0;
+    for (const y of ys) for (const v of y) if (v > m) m = v;
+    const top = Math.max(2, Math.ceil(m * 1.15));
+    const raw = top / 4, p = Math.pow(10, Math.floor(Math.log10(raw)));
+    const dtick = Math.max(1, [1, 2, 2.5, 5, 10].map((k) => k * p).find((d) => d >= raw) || 10 * p);
+    return { range: [0, top], autorange: false, dtick: Math.round(dtick) || 1, tickmode: "linear", tick0: 0 };
+  };
   const note = (text) => ({ text, x: 0.5, y: 0.5, xref: "paper", yref: "paper", showarrow: false,
-    font: { size: 10, color: "#777" } });
+    font: { size: fs(11), color: theme.fg2 } });
+  const thisRun = cur.index > 0 ? `run ${cur.index}` : "this run";
 
-  const f1 = () => ({
-    traces: [area("prefill", S("prefill"), "#4c78a8", "tok"), area("decode", S("decode"), "#72b7b2", "tok"),
-      line("max_batch_tokens", step, S("budget"), "#333", { line: { dash: "dash", shape: "hv" } })],
-    layout: layout("Tokens per step: prefill vs decode, against max_batch_tokens", "step", "tokens"),
-  });
+  const f1 = () => {
+    const decode = S("decode");
+    return {
+      traces: [area("decode", decode, theme.pal.decode, "tok", { hovertemplate: "%{y} tokens" }),
+        area("prefill", S("prefill"), theme.pal.prefill, "tok", { hovertemplate: "%{y} tokens" }),
+        line("max_batch_tokens", step, S("budget"), theme.fg, { line: { dash: "dash", shape: "hv", width: 1.2 },
+          hovertemplate: "%{y}" }),
+        // Decode steps add one token per request: invisible beside a 256-token prefill on one scale.
+        line("decode tokens (right axis)", step, decode, theme.pal.decodeLine,
+          { yaxis: "y2", line: { shape: "hv", width: 2 }, hovertemplate: "%{y}" })],
+      layout: layout("Tokens per step: prefill vs decode, against max_batch_tokens", "tokens",
+        { yaxis2: y2("decode tokens", intAxis([decode])) }),
+    };
+  };
   const f2 = () => {
     const skipTraces = [];
-    reasons.forEach((r, i) => {
+    reasons.forEach((r) => {
       const y = S(`skip_${r}`);
-      if (y.some((v) => v > 0)) skipTraces.push(area(r.replace(/_/g, " "), y, PLOT_REASON_COLORS[i % PLOT_REASON_COLORS.length], "skip"));
+      if (!y.some((v) => v > 0)) return;
+      const ri = info[r] || {};
+      skipTraces.push(area(ri.label || r.replace(/_/g, " "), y, theme.reason(r), "skip",
+        { hovertemplate: "%{y} left out", meta: r }));
     });
     return {
       traces: skipTraces,
-      layout: layout("Requests left out per step, by reason", "step", "requests",
-        skipTraces.length || !step.length ? {} : { annotations: [note("no request was left out in these steps")] }),
+      layout: layout("Requests left out per step, by reason", "requests",
+        skipTraces.length ? { yaxis: axis("requests", intAxis([skipTraces.reduce((acc, t) => acc.map((v, k) => v + (t.y[k] || 0)),
+          new Array(step.length).fill(0))])) } : { yaxis: axis("requests", { range: [0, 4], autorange: false }),
+          annotations: [note(step.length ? "no request was left out in these steps" : "no steps yet")] }),
+      reasons: skipTraces.map((t) => t.meta),
     };
   };
   const f3 = () => ({
-    traces: [line("by blocks", t, T("kv_blocks_pct"), "#4c78a8"), line("by tokens", t, T("kv_tokens_pct"), "#54a24b")],
-    layout: layout("KV usage, % of the cache: by blocks and by tokens", "s", "%", { yaxis: { title: { text: "%", font: { size: 9 } }, tickfont: { size: 9 }, rangemode: "tozero" } }),
+    traces: [tline("by blocks", "kv_blocks_pct", theme.pal.blue), tline("by tokens", "kv_tokens_pct", theme.pal.green)],
+    layout: layout("KV usage, % of the cache: by blocks and by tokens", "%"),
   });
   const f4 = () => ({
-    traces: [line("hit tokens", t, T("prefix_hit_tokens"), "#f58518"),
-      line("hit %", t, T("prefix_hit_pct"), "#e45756", { yaxis: "y2", line: { dash: "dot" } })],
-    layout: layout(`Prefix-cache hits this run: ${cbnbFmt(sm.prefix_hit_tokens, 0)} tokens, ${cbnbFmt(sm.prefix_hit_pct)} %`,
-      "s", "tokens", { yaxis2: y2("%", { range: [0, 100], rangemode: undefined }) }),
+    traces: [tline("hit tokens", "prefix_hit_tokens", theme.pal.orange, {}, ".0f"),
+      tline("hit %", "prefix_hit_pct", theme.pal.red, { yaxis: "y2", line: { dash: "dot" } })],
+    layout: layout(`Prefix-cache hits, ${thisRun}: ${cbnbFmt(sm.prefix_hit_tokens, 0)} tokens, ${cbnbFmt(sm.prefix_hit_pct)} %`,
+      "tokens", { yaxis2: y2("%", { range: [0, 100], autorange: false, rangemode: "normal" }) }),
   });
   const hv = { shape: "hv" };
-  const graphs = `CUDA graphs: ${sm.graph_captures ?? 0} captures, ${sm.graph_replays ?? 0} replays`
-    + (sm.graph_capture_failures ? `, ${sm.graph_capture_failures} failed captures (those shapes run eagerly)` : "")
-    + (sm.graphs_enabled ? "" : ` (${sm.device || "cpu"}: graphs off)`);
+  const counts = ["swaps", "soft_resets", "restores", "graph_captures", "graph_replays"];
   const f5 = () => ({
-    traces: [line("swaps", t, T("swaps"), "#b279a2", { line: hv }), line("soft resets", t, T("soft_resets"), "#e45756", { line: hv }),
-      line("restores", t, T("restores"), "#9d755d", { line: hv }),
-      line("graph captures", t, T("graph_captures"), "#4c78a8", { line: { ...hv, dash: "dot" } }),
-      line("graph replays", t, T("graph_replays"), "#72b7b2", { line: { ...hv, dash: "dot" } })],
-    layout: layout("Offloads, soft resets, restores (this run); CUDA graphs", "s", "count", {
-      annotations: [{ text: graphs, x: 0.01, y: 0.98, xref: "paper", yref: "paper", xanchor: "left", yanchor: "top",
-        showarrow: false, font: { size: 10, color: "#555" }, bgcolor: "rgba(255,255,255,0.7)" }] }),
+    traces: [tline("swaps", "swaps", theme.pal.purple, { line: hv }, ".0f"),
+      tline("soft resets", "soft_resets", theme.pal.red, { line: hv }, ".0f"),
+      tline("restores", "restores", theme.pal.brown, { line: hv }, ".0f"),
+      tline("graph captures", "graph_captures", theme.pal.blue, { line: { ...hv, dash: "dot" } }, ".0f"),
+      tline("graph replays", "graph_replays", theme.pal.teal, { line: { ...hv, dash: "dot" } }, ".0f")],
+    layout: layout(`Offloads, soft resets, restores (${thisRun}); CUDA graphs`, "count",
+      { yaxis: axis("count", intAxis(counts.map((k) => T(k).filter(Number.isFinite)))) }),
   });
   const f6 = () => ({
-    traces: [line("output tok/s", t, T("out_tok_s"), "#4c78a8"), line("prefill tok/s", t, T("prefill_tok_s"), "#bab0ac"),
-      line("TTFT p50", t, T("ttft_p50_ms"), "#f58518", { yaxis: "y2", line: { dash: "dot" } }),
-      line("TPOT p50", t, T("tpot_p50_ms"), "#e45756", { yaxis: "y2", line: { dash: "dot" } })],
-    layout: layout("Throughput (tokens/s) and latency (ms)", "s", "tokens/s", { yaxis2: y2("ms") }),
+    traces: [tline("output tok/s", "out_tok_s", theme.pal.blue), tline("prefill tok/s", "prefill_tok_s", theme.pal.grey),
+      tline("TTFT p50", "ttft_p50_ms", theme.pal.orange, { yaxis: "y2", line: { dash: "dot" } }, ".0f"),
+      tline("TPOT p50", "tpot_p50_ms", theme.pal.red, { yaxis: "y2", line: { dash: "dot" } }, ".0f")],
+    layout: layout("Throughput (tokens/s) and latency (ms)", "tokens/s", { yaxis2: y2("ms") }),
   });
   return [f1, f2, f3, f4, f5, f6];
 }
 
+function plotsGraphNote(sm) {
+  return `CUDA graphs: ${sm.graph_captures ?? 0} captures, ${sm.graph_replays ?? 0} replays`
+    + (sm.graph_capture_failures ? `, ${sm.graph_capture_failures} failed captures (those shapes run eagerly)` : "")
+    + (sm.graphs_enabled ? "" : ` (${sm.device || "cpu"}: graphs off)`);
+}
+
 function plotsSummaryText(sm) {
   if (!sm || sm.steps === undefined) return "No steps yet in this run.";
-  return `output ${cbnbFmt(sm.out_tok_s)} tok/s now (${cbnbFmt(sm.run_out_tok_s)} over the run) · `
+  const run = sm.run_index ? `run ${sm.run_index} (${sm.run_label || sm.run_cause}) · ` : "";
+  return run + `output ${cbnbFmt(sm.out_tok_s)} tok/s now (${cbnbFmt(sm.run_out_tok_s)} over the run) · `
     + `TTFT p50 ${cbnbFmt(sm.ttft_p50_ms, 0)} ms · TPOT p50 ${cbnbFmt(sm.tpot_p50_ms, 0)} ms · `
     + `KV ${cbnbFmt(sm.kv_blocks_pct)} % blocks / ${cbnbFmt(sm.kv_tokens_pct)} % tokens · `
     + `prefix hits ${cbnbFmt(sm.prefix_hit_tokens, 0)} tokens (${cbnbFmt(sm.prefix_hit_pct)} %) · `
@@ -124,11 +208,16 @@ async function render({ model, el }) {
   const bar = cbnbEl("div", "cbnb-row");
   const summary = cbnbEl("div", "cbnb-plots-summary");
   const newRun = cbnbEl("button", "cbnb-btn cbnb-small cbnb-new-run", "New run");
-  newRun.title = "Reset the engine's run statistics and clear the plots";
+  newRun.title = "Reset the engine's run statistics: the plots start a new segment here (earlier ones are faded)";
   newRun.addEventListener("click", () => model.send({ kind: "new_run" }));
   bar.append(summary, newRun);
   const grid = cbnbEl("div", "cbnb-plot-grid");
-  const plots = Array.from({ length: 6 }, () => grid.appendChild(cbnbEl("div", "cbnb-plot")));
+  const cells = Array.from({ length: 6 }, () => grid.appendChild(cbnbEl("div", "cbnb-plot-cell")));
+  const plots = cells.map((c) => c.appendChild(cbnbEl("div", "cbnb-plot")));
+  // Under the skip chart: each reason's one-line meaning; under the offload chart: the CUDA-graph note (outside
+  // the plot area, so that it never covers a line).
+  const reasonLegend = cells[1].appendChild(cbnbEl("div", "cbnb-reason-legend"));
+  const graphNote = cells[4].appendChild(cbnbEl("div", "cbnb-plot-note cbnb-graph-note"));
   const status = cbnbEl("div", "cbnb-hint", "Loading plotly.js…");
   f.body.append(bar, status, grid);
   let alive = true, drawing = false, soon = null, idle = null, next = 0, P = null, lastDraw = 0;
@@ -150,7 +239,25 @@ async function render({ model, el }) {
     }
     return -1;
   };
-  const CHARTS_OF = { steps: [0, 1], series: [2, 3, 4, 5], summary: [3, 4], reasons: [1] };
+  // Every chart shows the run markers and the shared x range, so steps and runs dirty all of them.
+  const ALL = [0, 1, 2, 3, 4, 5];
+  const CHARTS_OF = { steps: ALL, series: ALL, summary: [3, 4, 5], reasons: [1], runs: ALL, reason_info: [1],
+    window: ALL };
+
+  const drawReasonLegend = (present) => {
+    const info = model.get("reason_info") || {};
+    const theme = cbnbTheme(f.root);
+    reasonLegend.replaceChildren(...present.map((r) => {
+      const it = cbnbEl("div", "cbnb-legend-item");
+      it.dataset.reason = r;
+      const sw = cbnbEl("span", "cbnb-swatch");
+      sw.style.background = theme.reason(r);
+      const ri = info[r] || {};
+      it.append(sw, cbnbEl("b", null, ri.label || r), cbnbEl("span", null, `: ${ri.meaning || ""}`));
+      if (ri.fields && ri.fields.length) it.title = `change it with: ${ri.fields.join(", ")}`;
+      return it;
+    }));
+  };
 
   // One chart per draw, round robin over the dirty visible charts; the rest are drawn once updates pause.
   const drawOne = async () => {
@@ -162,9 +269,11 @@ async function render({ model, el }) {
     try {
       next = (i + 1) % 6;
       dirty.delete(i);
-      const fig = plotsFigures(model)[i]();
+      const fig = plotsFigures(model, cbnbTheme(f.root), cbnbScale(f.root))[i]();
       const t0 = performance.now();
       await P.react(plots[i], fig.traces, fig.layout, { displayModeBar: false, responsive: true });
+      if (i === 1) drawReasonLegend(fig.reasons || []);
+      if (i === 4) graphNote.textContent = plotsGraphNote(model.get("summary") || {});
       lastDraw = performance.now();
       const cost = lastDraw - t0;
       grid.__cbnbDraws = (grid.__cbnbDraws || 0) + 1;
@@ -187,7 +296,10 @@ async function render({ model, el }) {
   const changed = (name) => () => {
     lastChange = performance.now();
     for (const i of CHARTS_OF[name] || []) dirty.add(i);
-    if (name === "summary") summary.textContent = plotsSummaryText(model.get("summary"));
+    if (name === "summary") {
+      summary.textContent = plotsSummaryText(model.get("summary"));
+      graphNote.textContent = plotsGraphNote(model.get("summary") || {});
+    }
     if (!P) return;
     // Not due yet: the chart stays dirty and is drawn after a later burst, or by catchUp once updates pause.
     if (!soon && performance.now() - lastDraw >= MIN_GAP_MS) soon = setTimeout(drawOne, AFTER_BURST_MS);
@@ -205,10 +317,17 @@ async function render({ model, el }) {
     });
     plots.forEach((d) => io.observe(d));
   }
-  const names = ["steps", "series", "summary", "reasons"];
+  const names = Object.keys(CHARTS_OF);
   const handlers = names.map((n) => [n, changed(n)]);
   for (const [n, h] of handlers) model.on(`change:${n}`, h);
+  // A JupyterLab theme switch or a new font scale redraws every chart in the new colours and sizes.
+  const offTheme = cbnbOnTheme(() => {
+    for (const i of ALL) dirty.add(i);
+    lastChange = 0;
+    if (P && !idle) idle = setTimeout(catchUp, 0);
+  });
   summary.textContent = plotsSummaryText(model.get("summary"));
+  graphNote.textContent = plotsGraphNote(model.get("summary") || {});
   try {
     P = await loadPlotly(model);
     status.remove();
@@ -222,6 +341,7 @@ async function render({ model, el }) {
     if (soon) clearTimeout(soon);
     if (idle) clearTimeout(idle);
     if (io) io.disconnect();
+    offTheme();
     f.cleanup();
     for (const [n, h] of handlers) model.off(`change:${n}`, h);
     if (P) for (const d of plots) { try { P.purge(d); } catch (e) { /* already gone */ } }

@@ -1,6 +1,6 @@
-// Token stream panel: one card per request whose text grows as tokens arrive; cancel buttons for live ones.
-// Requests that asked for logprobs also show their newest tokens as chips: hovering one shows its logprob and the
-// most likely alternatives.
+// Token stream panel: one card per request (its prompt's first words in the head) whose text grows as tokens
+// arrive; cancel buttons for live ones; a click on a card selects the request ("Why?"). Requests that asked for
+// logprobs also show their newest tokens as chips: hovering one shows its logprob and the most likely alternatives.
 
 const cbnbShowToken = (t) => JSON.stringify(t).slice(1, -1);
 
@@ -41,18 +41,23 @@ function render({ model, el }) {
     card.dataset.id = id;
     const head = cbnbEl("div", "cbnb-stream-head");
     const name = cbnbEl("span", "cbnb-req-id", id);
+    const prompt = cbnbEl("span", "cbnb-stream-prompt");
     const badge = cbnbEl("span");
     const count = cbnbEl("span", "cbnb-count");
     const cancel = cbnbEl("button", "cbnb-btn cbnb-small cbnb-cancel", "Cancel");
     cancel.title = "Cancel this request (its blocks are freed at once)";
-    cancel.addEventListener("click", () => model.send({ kind: "cancel", id }));
-    head.append(name, badge, count, cancel);
+    cancel.addEventListener("click", (e) => { e.stopPropagation(); model.send({ kind: "cancel", id }); });
+    head.append(name, badge, prompt, count, cancel);
     const text = cbnbEl("div", "cbnb-stream-text");
     const strip = cbnbEl("div", "cbnb-lp-strip");
     strip.title = "";
     const error = cbnbEl("div", "cbnb-stream-error");
     card.append(head, text, strip, error);
-    return { card, badge, count, text, error, cancel, strip, last: {} };
+    card.title = "Click for this request's story (Why?)";
+    card.addEventListener("click", () => model.send({ kind: "select", id }));
+    card.addEventListener("mouseenter", () => model.send({ kind: "hover_request", id }));
+    card.addEventListener("mouseleave", () => model.send({ kind: "hover_request", id: null }));
+    return { card, badge, count, text, error, cancel, prompt, strip, last: {} };
   };
 
   const drawStrip = (c, lp) => {
@@ -83,6 +88,8 @@ function render({ model, el }) {
         c.card.classList.toggle("cbnb-ended", CBNB_TERMINAL.has(it.state));
         c.cancel.style.display = CBNB_TERMINAL.has(it.state) ? "none" : "";
       }
+      if (c.last.prompt !== it.prompt) { c.prompt.textContent = it.prompt || ""; c.prompt.title = it.prompt || ""; }
+      c.card.classList.toggle("cbnb-selected", it.id === (model.get("selected") || ""));
       const count = it.max ? `${it.n}/${it.max} tokens` : `${it.n} tokens`;
       if (c.count.textContent !== count) c.count.textContent = count;
       if (c.last.text !== it.text) c.text.textContent = it.text;
@@ -104,8 +111,9 @@ function render({ model, el }) {
   };
   const schedule = cbnbOnFrame(draw);
   model.on("change:items", schedule);
+  model.on("change:selected", schedule);
   draw();
-  return () => { f.cleanup(); model.off("change:items", schedule); };
+  return () => { f.cleanup(); model.off("change:items", schedule); model.off("change:selected", schedule); };
 }
 
 export default { initialize, render };

@@ -3,7 +3,8 @@
 ::
 
     from cbnb.ui import Dashboard
-    Dashboard(engine)          # Submit, Token stream, Request board, KV page map, Live plots, Config, Server, Runs
+    Dashboard(engine)   # Controls, Submit, Token stream, Request board, Request timeline, Why?, Live plots, KV map,
+                        # Config, Server, Runs
 
 Each panel is also usable alone (`SubmitPanel(engine)`, `KVPageMapPanel(engine)`, ...). Names load lazily so that
 `import cbnb.ui` stays cheap.
@@ -22,6 +23,10 @@ _LAZY = {
     "KVPageMapPanel": "cbnb.ui.kvmap",
     "LivePlotsPanel": "cbnb.ui.plots",
     "ConfigPanel": "cbnb.ui.config_panel",
+    "ControlsPanel": "cbnb.ui.controls",
+    "TimelinePanel": "cbnb.ui.timeline",
+    "WhyPanel": "cbnb.ui.why",
+    "Selection": "cbnb.ui.selection",
     "ServerPanel": "cbnb.ui.server_panel",
     "RunsPanel": "cbnb.ui.runs_panel",
     "Poller": "cbnb.ui.poller",

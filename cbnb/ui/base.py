@@ -63,6 +63,28 @@ class Panel(anywidget.AnyWidget):
     def _setup(self) -> None:
         """Subclass hook: initialise state before the poller may call `_update`."""
 
+    # ------------------------------------------------------------------------------------------ selection
+    #: The dashboard's shared `Selection` (None for a panel used alone); set by `Dashboard`.
+    selection = None
+
+    def select_request(self, request_id: str | None) -> None:
+        """Select a request for the dashboard's other panels ("Why?", KV highlight); no-op without a selection."""
+        if self.selection is not None:
+            self.selection.select(request_id)
+
+    def hover_request(self, request_id: str | None) -> None:
+        """Report the request under the pointer (None: none); no-op without a selection."""
+        if self.selection is not None:
+            self.selection.hover(request_id)
+
+    def _on_select(self, msg: dict) -> None:
+        rid = msg.get("id")
+        self.select_request(rid if isinstance(rid, str) and rid else None)
+
+    def _on_hover_request(self, msg: dict) -> None:
+        rid = msg.get("id")
+        self.hover_request(rid if isinstance(rid, str) and rid else None)
+
     # ------------------------------------------------------------------------------------------ messages
     def show(self, text: str, kind: str = "info") -> None:
         """Show `text` on the panel's message line; `kind` is "info", "ok" or "error"."""

@@ -1,4 +1,5 @@
-"""`RequestBoardPanel`: one row per request with its state, progress, TTFT, prefix-cache hits and offloads."""
+"""`RequestBoardPanel`: one row per request with its prompt's first words, state, progress, TTFT, prefix-cache hits and
+offloads; a Cancel button per live row and "Cancel all"; a click on a row selects the request (its "Why?" story)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import traitlets
 from . import _assets
 from .base import Panel
 from .poller import Frame
-from .state import BOARD_COLUMNS, request_rows
+from .state import BOARD_COLUMNS, prompt_label, request_rows
 
 __all__ = ["RequestBoardPanel"]
 
@@ -24,7 +25,8 @@ class RequestBoardPanel(Panel):
 
     Synced state:
         columns: `state.BOARD_COLUMNS` (ttft_ms and queue_ms in milliseconds).
-        rows: one list per request in that column order (None where unknown).
+        rows: one list per request in that column order (None where unknown); "prompt_text" is the prompt's first
+            words (`state.prompt_label`).
         counts: requests per state name.
         hidden: ended requests not listed.
         engine_state: "created", "running", "stopped" or "dead".
@@ -36,16 +38,59 @@ class RequestBoardPanel(Panel):
     counts = traitlets.Dict().tag(sync=True)
     hidden = traitlets.Int(0).tag(sync=True)
     engine_state = traitlets.Unicode("").tag(sync=True)
+    selected = traitlets.Unicode("").tag(sync=True)  # the dashboard's selected request ("" for none)
 
     def __init__(self, engine: Any, *, max_finished: int = 64, **kwargs: Any) -> None:
         self._max_finished = max_finished
+        self._labels: dict[str, str] = {}
         super().__init__(engine, **kwargs)
 
     def _needs(self) -> set[str]:
         return {"requests"}
 
+    def _label(self, out: Any) -> str:
+        hit = self._labels.get(out.request_id)
+        if hit is None:
+            hit = self._labels[out.request_id] = prompt_label(out, getattr(self.engine, "tokenizer", None))
+        return hit
+
     def _values(self, frame: Frame) -> dict[str, Any]:
         if frame.requests is None:
             return {}
-        rows, counts, hidden = request_rows(frame.requests, self._max_finished)
+        rows, counts, hidden = request_rows(frame.requests, self._max_finished, label=self._label)
+        if len(self._labels) > 4 * (len(rows) + 64):
+            keep = {r[0] for r in rows}
+            self._labels = {k: v for k, v in self._labels.items() if k in keep}
         return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": frame.engine_state}
+
+    # ------------------------------------------------------------------------------------------ actions
+    def cancel(self, request_id: str) -> bool:
+        """Cancel one request (as `engine.cancel`); the result is shown on the panel."""
+        ok = bool(self.engine.cancel(request_id))
+        self.show(f"Cancel requested for {request_id}." if ok else
+                  f"{request_id} has already ended (or is unknown): nothing to cancel.", "ok" if ok else "info")
+        self.poller.poke()
+        return ok
+
+    def cancel_all(self) -> int:
+        """Cancel every unfinished request (`engine.cancel_all`). Returns how many."""
+        n = int(self.engine.cancel_all())
+        self.show(f"Cancelled {n} unfinished request{'s' if n != 1 else ''}: their blocks are freed." if n else
+                  "No unfinished request to cancel.", "ok" if n else "info")
+        self.poller.poke()
+        return n
+
+    def _on_cancel(self, msg: dict) -> None:
+        rid = msg.get("id")
+        if not isinstance(rid, str) or not rid:
+            self.show("cancel: no request id given", "error")
+            return
+        self.cancel(rid)
+
+    def _on_cancel_all(self, _msg: dict) -> None:
+        self.cancel_all()
+
+    def on_selection(self, what: str, request_id: str | None) -> None:
+        """`Selection` listener: mark the selected request."""
+        if what == "select":
+            self.selected = request_id or ""

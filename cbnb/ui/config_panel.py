@@ -1,6 +1,7 @@
 """`ConfigPanel`: sliders, dropdowns and toggles for the engine's `ContinuousBatchingConfig`, with a live memory
-preview and the config as ready-to-paste transformers code. "Apply" retunes the engine between runs with
-`engine.reconfigure` (nothing queued is lost)."""
+preview and the config as ready-to-paste transformers code. "Apply" reconfigures the engine at once, also mid-run,
+with `engine.reconfigure`: unfinished requests are kept and their KV is recomputed in the new cache (nothing queued
+is lost). A "keep cache bytes fixed" lock rescales num_blocks when page_size changes."""
 
 from __future__ import annotations
 
@@ -19,35 +20,36 @@ __all__ = ["ConfigPanel", "FIELDS", "values_from_config", "config_from_values", 
 
 _PAGE_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 
-#: The controls, in display order. kind: "select" (options), "range" (min/max/step), "toggle", "radio".
+#: The controls, in display order. kind: "select" (options), "range" (min/max/step), "toggle", "radio"; group: the
+#: column they are shown in ("cache" or "scheduling"); cuda_only: no effect without CUDA (folded away on CPU).
 FIELDS: list[dict[str, Any]] = [
-    {"name": "page_size", "kind": "select", "options": _PAGE_SIZES, "unit": "tokens",
+    {"name": "page_size", "group": "cache", "kind": "select", "options": _PAGE_SIZES, "unit": "tokens",
      "help": "Tokens per KV page. Small pages waste less in half-filled tails; large ones mean fewer blocks."},
-    {"name": "sizing", "kind": "radio", "options": ["num_blocks", "max_memory_percent"],
+    {"name": "sizing", "group": "cache", "kind": "radio", "options": ["num_blocks", "max_memory_percent"],
      "help": "Size the cache by a block count, or by a share of the free memory."},
-    {"name": "num_blocks", "kind": "range", "min": 4, "max": 4096, "step": 4, "unit": "blocks",
+    {"name": "num_blocks", "group": "cache", "kind": "range", "min": 4, "max": 4096, "step": 4, "unit": "blocks",
      "help": "KV blocks (one page in every layer). More blocks hold more tokens at once, and take more memory."},
-    {"name": "max_memory_percent", "kind": "range", "min": 0.05, "max": 0.95, "step": 0.05, "unit": "fraction",
+    {"name": "max_memory_percent", "group": "cache", "kind": "range", "min": 0.05, "max": 0.95, "step": 0.05, "unit": "fraction",
      "help": "Share of free memory for KV cache + activations + logits, when num_blocks is not set."},
-    {"name": "max_batch_tokens", "kind": "range", "min": 16, "max": 4096, "step": 16, "unit": "tokens",
+    {"name": "max_batch_tokens", "group": "scheduling", "kind": "range", "min": 16, "max": 4096, "step": 16, "unit": "tokens",
      "help": "Query tokens per step (prompt chunks + one per decoding request). Larger: faster, choppier."},
-    {"name": "max_requests_per_batch", "kind": "range", "min": 1, "max": 512, "step": 1, "unit": "requests",
+    {"name": "max_requests_per_batch", "group": "scheduling", "kind": "range", "min": 1, "max": 512, "step": 1, "unit": "requests",
      "help": "Requests in one step at most; also sizes the logits buffer."},
-    {"name": "scheduler_type", "kind": "select", "options": ["fifo", "prefill_first"],
+    {"name": "scheduler_type", "group": "scheduling", "kind": "select", "options": ["fifo", "prefill_first"],
      "help": "fifo: admit in arrival order and keep a safety margin; prefill_first: prompts before decodes."},
-    {"name": "safety_margin", "kind": "range", "min": 0.0, "max": 0.5, "step": 0.01, "unit": "fraction",
+    {"name": "safety_margin", "group": "scheduling", "kind": "range", "min": 0.0, "max": 0.5, "step": 0.01, "unit": "fraction",
      "help": "Share of the cache kept free before new requests are admitted (fifo default 0.15)."},
-    {"name": "allow_block_sharing", "kind": "toggle",
+    {"name": "allow_block_sharing", "group": "cache", "kind": "toggle",
      "help": "Prefix cache: requests with the same prompt start share its KV blocks instead of recomputing."},
-    {"name": "cpu_offload_space", "kind": "range", "min": 0.0, "max": 8.0, "step": 0.25, "unit": "GiB",
+    {"name": "cpu_offload_space", "group": "cache", "kind": "range", "min": 0.0, "max": 8.0, "step": 0.25, "unit": "GiB",
      "help": "Host swap pool for requests pushed out of a full cache; 0: soft reset (recompute) instead."},
-    {"name": "q_padding_interval_size", "kind": "range", "min": 0, "max": 512, "step": 16, "unit": "tokens",
+    {"name": "q_padding_interval_size", "group": "scheduling", "cuda_only": True, "kind": "range", "min": 0, "max": 512, "step": 16, "unit": "tokens",
      "help": "Query length padded to a multiple of this (fewer CUDA-graph shapes); 0: the preset, 64."},
-    {"name": "kv_padding_interval_size", "kind": "range", "min": 0, "max": 65536, "step": 1024, "unit": "tokens",
+    {"name": "kv_padding_interval_size", "group": "scheduling", "cuda_only": True, "kind": "range", "min": 0, "max": 65536, "step": 1024, "unit": "tokens",
      "help": "KV length padded to a multiple of this (fewer CUDA-graph shapes); 0: the preset, 16384."},
-    {"name": "use_cuda_graph", "kind": "toggle",
+    {"name": "use_cuda_graph", "group": "scheduling", "cuda_only": True, "kind": "toggle",
      "help": "Capture a CUDA graph per padded batch shape and replay it (CUDA only; no effect on CPU)."},
-    {"name": "use_async_batching", "kind": "toggle",
+    {"name": "use_async_batching", "group": "scheduling", "cuda_only": True, "kind": "toggle",
      "help": "Prepare the next batch on the CPU while the GPU runs this one (CUDA only; no effect on CPU)."},
 ]
 FIELD_NAMES = [f["name"] for f in FIELDS]
@@ -151,7 +153,8 @@ def proposed_config(user: Any, resolved: Any, values: dict[str, Any]) -> Any:
 
 
 class ConfigPanel(Panel):
-    """Retune the engine between runs.
+    """Retune the engine: Apply reconfigures at once, also mid-run (unfinished requests are kept and recompute their
+    KV in the new cache).
 
     Every change of `values` (from the controls or from Python) recomputes, without allocating anything:
     the proposed config (`engine.plan_memory`), its memory split next to the current one, and the
@@ -169,6 +172,10 @@ class ConfigPanel(Panel):
             "error"}.
         busy: True while a reconfigure runs.
         device: the engine's device type ("cpu", "cuda", ...).
+        lock_bytes: keep the cache's bytes fixed: a page_size change rescales num_blocks so that num_blocks x
+            page_size (the tokens, hence the bytes, of the usable cache) stays the same; only the two reserved
+            padding blocks follow the page size.
+        code is "" while the values are invalid (the error is in memory["error"]), never the code of older values.
     """
 
     _esm = _assets.esm("config.js")
@@ -180,6 +187,7 @@ class ConfigPanel(Panel):
     busy = traitlets.Bool(False).tag(sync=True)
     device = traitlets.Unicode("cpu").tag(sync=True)
     applied_count = traitlets.Int(0).tag(sync=True)
+    lock_bytes = traitlets.Bool(False).tag(sync=True)
 
     #: Wait until the engine has no unfinished request before reconfiguring. Off by default: `Engine.reconfigure`
     #: carries unfinished requests into the new cache (they recompute their KV there), so nothing is lost either way.
@@ -239,18 +247,43 @@ class ConfigPanel(Panel):
             code = cand.to_code()
         except (ValueError, MemoryError) as e:
             mem["error"] = str(e)
-            code = self.code or ""
+            code = ""  # never the code of older values: it would not be what the controls say
         with self.hold_sync():
             self.memory = mem
             self.code = code
 
-    def _on_values(self, _change: Any) -> None:
+    def _on_values(self, change: Any) -> None:
+        old, new = change.get("old") or {}, change.get("new") or {}
+        if self.lock_bytes and old.get("page_size") and new.get("page_size") != old.get("page_size") \
+                and new.get("sizing") == "num_blocks" and new.get("num_blocks") == old.get("num_blocks"):
+            try:
+                blocks = max(1, round(int(old["num_blocks"]) * int(old["page_size"]) / int(new["page_size"])))
+            except (TypeError, ValueError, ZeroDivisionError):
+                blocks = None
+            if blocks is not None and blocks != new.get("num_blocks"):
+                self._widen("num_blocks", blocks)
+                self.values = dict(new, num_blocks=blocks)  # observed again: previews then
+                self.show(f"Cache bytes kept: page_size {old['page_size']} -> {new['page_size']}, num_blocks "
+                          f"{old['num_blocks']} -> {blocks} ({blocks * int(new['page_size']):,} tokens).", "info")
+                return
         self._preview()
+
+    def _widen(self, name: str, value: float) -> None:
+        """Widen a range control so that `value` is on it."""
+        fields = []
+        for f in self.fields:
+            if f["name"] == name and f["kind"] == "range" and not (f["min"] <= value <= f["max"]):
+                f = dict(f, min=min(f["min"], value), max=max(f["max"], value))
+            fields.append(f)
+        self.fields = fields
 
     # ------------------------------------------------------------------------------------------ actions
     def set(self, **values: Any) -> None:
         """Change some values (as the controls would), e.g. ``panel.set(max_batch_tokens=512)``."""
         self.values = dict(self.values, **values)
+
+    def _on_lock(self, msg: dict) -> None:
+        self.lock_bytes = bool(msg.get("on"))
 
     def reset(self) -> None:
         """Discard the edits: back to the engine's current config."""
@@ -279,20 +312,22 @@ class ConfigPanel(Panel):
             self.show(f"Not applied: {e}", "error")
             return False
         self.busy = True
-        self.show("Applying… requests in flight restart in the new cache.", "info")
+        self.show("Applying… unfinished requests are kept; their KV is recomputed in the new cache.", "info")
         result: dict[str, Any] = {}
 
         def work() -> None:
             try:
                 if self.wait_for_idle:
                     self._wait_idle(timeout)
-                n_live = sum(1 for r in self.engine.requests_snapshot() if not r.finished)
+                live = [r for r in self.engine.requests_snapshot() if not r.finished]
+                tokens = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in live)
                 resolved = self.engine.reconfigure(cfg, timeout=timeout)
-                self.engine.reset_stats()
+                self.engine.reset_stats(marker=False)  # reconfigure marked the new run already
                 result["ok"] = True
-                self.show(f"Applied: page_size={resolved.page_size}, num_blocks={resolved.num_blocks}, "
-                          f"max_batch_tokens={resolved.max_batch_tokens}; {n_live} unfinished request(s) kept.",
-                          "ok")
+                kept = (f"{len(live)} unfinished request{'s' if len(live) != 1 else ''} kept, their KV "
+                        f"({tokens:,} tokens) recomputed in the new cache" if live else "no request was running")
+                self.show(f"Applied at once: page_size={resolved.page_size}, num_blocks={resolved.num_blocks}, "
+                          f"max_batch_tokens={resolved.max_batch_tokens}; {kept}.", "ok")
             except Exception as e:
                 self.show(f"Not applied ({type(e).__name__}): {e}", "error")
             finally:

@@ -1,4 +1,4 @@
-"""`Dashboard`: all panels over one engine, fed by one poller thread."""
+"""`Dashboard`: all panels over one engine, fed by one poller thread, sharing one request selection."""
 
 from __future__ import annotations
 
@@ -8,19 +8,24 @@ import ipywidgets as widgets
 
 from .board import RequestBoardPanel
 from .config_panel import ConfigPanel
+from .controls import ControlsPanel
 from .kvmap import KVPageMapPanel
 from .plots import LivePlotsPanel
 from .poller import Poller
 from .runs_panel import RunsPanel
+from .selection import Selection
 from .server_panel import ServerPanel
 from .stream import TokenStreamPanel
 from .submit import SubmitPanel
+from .timeline import TimelinePanel
+from .why import WhyPanel
 
 __all__ = ["Dashboard"]
 
 
 class Dashboard(widgets.VBox):
-    """The engine's dashboard: Submit, Token stream, Request board, KV page map, Live plots, Config, Server and Runs.
+    """The engine's dashboard: Controls (step mode, presentation), Submit, Token stream, Request board, Request
+    timeline, Why?, Live plots, KV page map, Config, Server and Runs.
 
     Args:
         engine: a `cbnb.Engine` (started or not; submitting starts it).
@@ -29,8 +34,11 @@ class Dashboard(widgets.VBox):
         start: start the poller now.
 
     Attributes:
-        submit, stream, board, kvmap, plots, config, server, runs: the panels (each also usable alone).
+        controls, submit, stream, board, timeline, why, kvmap, plots, config, server, runs: the panels (each also
+            usable alone).
         poller: the `Poller` feeding them.
+        selection: the shared `Selection`: a request clicked in the board, the stream, the timeline or the page map
+            opens its story in `why` and lights up its blocks in `kvmap`.
 
     Display it as the last expression of a cell. `close()` stops the poller and closes the widgets.
     """
@@ -40,29 +48,44 @@ class Dashboard(widgets.VBox):
         self.engine = engine
         self.poller = Poller(engine, max_hz=max_hz)
         kw = {"poller": self.poller}
+        self.controls = ControlsPanel(engine, **kw)
         self.submit = SubmitPanel(engine, **kw)
         self.stream = TokenStreamPanel(engine, **kw)
         self.board = RequestBoardPanel(engine, **kw)
+        self.timeline = TimelinePanel(engine, **kw)
+        self.why = WhyPanel(engine, **kw)
         self.kvmap = KVPageMapPanel(engine, always_snapshot=always_snapshot, **kw)
         self.plots = LivePlotsPanel(engine, **kw)
         self.config = ConfigPanel(engine, **kw)
         self.server = ServerPanel(engine, **kw)
         self.runs = RunsPanel(engine, **kw)
-        for p in (self.submit, self.stream, self.kvmap, self.config):
-            p.layout.width, p.layout.min_width = "50%", "360px"
+        self.selection = Selection()
+        self._wire_selection()
+        for p, width in ((self.submit, "50%"), (self.stream, "50%"), (self.kvmap, "40%"), (self.config, "60%")):
+            p.layout.width, p.layout.min_width = width, "360px"
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         row2 = widgets.HBox([self.kvmap, self.config], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         self._rows = [row1, row2]
-        super().__init__([row1, self.board, self.plots, row2, self.server, self.runs],
+        super().__init__([self.controls, row1, self.board, self.timeline, self.why, self.plots, row2,
+                          self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
         if start:
             self.poller.start()
 
+    def _wire_selection(self) -> None:
+        """Every panel reports clicks and hovers to the shared selection; those with an `on_selection` follow it."""
+        for p in self.panels:
+            p.selection = self.selection
+            listener = getattr(p, "on_selection", None)
+            if listener is not None:
+                self.selection.subscribe(listener)
+
     @property
     def panels(self) -> list:
         # getattr: close() also runs from ipywidgets' __del__ on a Dashboard whose __init__ raised half way.
-        names = ("submit", "stream", "board", "kvmap", "plots", "config", "server", "runs")
+        names = ("controls", "submit", "stream", "board", "timeline", "why", "kvmap", "plots", "config", "server",
+                 "runs")
         return [p for p in (getattr(self, n, None) for n in names) if p is not None]
 
     def close(self) -> None:

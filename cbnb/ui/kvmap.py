@@ -7,6 +7,10 @@ it last sent, so the answer matches what is on screen.
 
 Snapshots are only taken while at least one view of the map is on screen (the front-end reports its visibility
 with an IntersectionObserver), or always with ``always_snapshot=True`` (used by the headless benchmark).
+
+Highlight: the request under the pointer (a block of the map, or a request in another panel) or the selected one
+has all of its blocks highlighted (`highlight`: `state.request_blocks`, with the other owners of its shared blocks);
+a click on a block selects its owner (the "Why?" panel tells its story).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import traitlets
 from . import _assets
 from .base import Panel
 from .poller import Frame
-from .state import encode_kv, kv_block_details
+from .state import encode_kv, kv_block_details, request_blocks
 
 __all__ = ["KVPageMapPanel"]
 
@@ -38,18 +42,23 @@ class KVPageMapPanel(Panel):
             counts, tokens_filled}.
         cells: bytes, one per block of all groups (group g's blocks at [offset, offset + num_blocks)).
         request_count: requests owning blocks in the snapshot.
+        highlight: the highlighted request's blocks (`state.request_blocks`) plus "mode" ("hover" or "select"), or
+            {} when none.
     """
 
     _esm = _assets.esm("kvmap.js")
     groups = traitlets.List().tag(sync=True)
     cells = traitlets.Bytes(b"").tag(sync=True)
     request_count = traitlets.Int(0).tag(sync=True)
+    highlight = traitlets.Dict().tag(sync=True)
 
     def __init__(self, engine: Any, *, always_snapshot: bool = False, **kwargs: Any) -> None:
         self.always_snapshot = always_snapshot
         self._views: dict[str, bool] = {}
         self._views_lock = threading.Lock()
         self._snapshot = None  # the snapshot behind the current `cells`
+        self._hovered: str | None = None
+        self._selected: str | None = None
         super().__init__(engine, **kwargs)
 
     @property
@@ -66,7 +75,33 @@ class KVPageMapPanel(Panel):
             return {}
         meta, cells = encode_kv(frame.snapshot)
         self._snapshot = frame.snapshot
-        return {"groups": meta, "cells": cells, "request_count": len(frame.snapshot.request_ids)}
+        out = {"groups": meta, "cells": cells, "request_count": len(frame.snapshot.request_ids)}
+        hl = self._highlight()
+        if hl != self.highlight:
+            out["highlight"] = hl
+        return out
+
+    # ------------------------------------------------------------------------------------------ highlight
+    def _highlight(self) -> dict[str, Any]:
+        rid, mode = (self._hovered, "hover") if self._hovered else (self._selected, "select")
+        if not rid or self._snapshot is None:
+            return {}
+        return {**request_blocks(self._snapshot, rid), "mode": mode}
+
+    def highlight_request(self, request_id: str | None, mode: str = "select") -> None:
+        """Highlight a request's blocks ("hover" wins over "select"; None clears that mode)."""
+        with self._lock:
+            if mode == "hover":
+                self._hovered = request_id or None
+            else:
+                self._selected = request_id or None
+            hl = self._highlight()
+            if hl != self.highlight:
+                self.highlight = hl
+
+    def on_selection(self, what: str, request_id: str | None) -> None:
+        """`Selection` listener: highlight the hovered or selected request's blocks."""
+        self.highlight_request(request_id, "hover" if what == "hover" else "select")
 
     def refresh(self) -> None:
         """Take a snapshot now and update the map (kernel thread; no poller needed)."""
@@ -101,3 +136,31 @@ class KVPageMapPanel(Panel):
         except (ValueError, TypeError) as e:
             reply["error"] = str(e)
         self.send(reply)
+        owners = reply.get("owners") or []
+        # The block's (first) owner: all of its blocks light up, here and for the other panels' selection.
+        if self.selection is not None:
+            self.hover_request(owners[0] if owners else None)
+        else:
+            self.highlight_request(owners[0] if owners else None, "hover")
+
+    def _on_hover_request(self, msg: dict) -> None:  # the pointer left the map
+        rid = msg.get("id")
+        rid = rid if isinstance(rid, str) and rid else None
+        if self.selection is not None:
+            self.hover_request(rid)
+        else:
+            self.highlight_request(rid, "hover")
+
+    def _on_click(self, msg: dict) -> None:
+        """A click on a block selects its (first) owner."""
+        try:
+            owners = self.details(msg.get("group", -1), msg.get("block", -1)).get("owners") or []
+        except (ValueError, TypeError):
+            owners = []
+        if not owners:
+            self.show("That block has no owner: nothing to explain.", "info")
+            return
+        if self.selection is not None:
+            self.select_request(owners[0])
+        else:
+            self.highlight_request(owners[0], "select")

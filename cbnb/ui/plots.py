@@ -32,7 +32,7 @@ import traitlets
 from . import _assets
 from .base import Panel
 from .poller import Frame
-from .state import SKIP_REASONS, StepSeries, TimeSeries
+from .series import SKIP_REASONS, RunSegments, StepSeries, TimeSeries
 
 __all__ = ["LivePlotsPanel", "PlotlyLib", "plotly_lib"]
 
@@ -69,43 +69,59 @@ def plotly_lib() -> PlotlyLib:
 
 
 class LivePlotsPanel(Panel):
-    """Live plots over a running engine, six charts in one panel:
+    """Live plots over a running engine, six charts in one panel, all against the engine's step number:
 
-    1. tokens per step, prefill vs decode, against `max_batch_tokens`;
-    2. requests left out per step, stacked by reason (`cbnb.scheduler.SkipReason`);
+    1. tokens per step, prefill vs decode, against `max_batch_tokens` (decode tokens also on their own right axis,
+       so that they stay visible beside long prefills);
+    2. requests left out per step, stacked by reason (`cbnb.plan.SkipReason`; the meanings in `reason_info`);
     3. KV usage by blocks and by tokens (% of the cache);
     4. prefix-cache hits in this run: tokens served, and their share of prompt tokens (%);
     5. offloads (swaps), soft resets and restores in this run, and CUDA-graph captures and replays (0 on CPU), with
        the failed captures (their shapes run eagerly) when there are any;
     6. throughput (output and prefill tokens/s) and the median TTFT and TPOT (ms).
 
-    "This run" is since `engine.reset_stats()`: the Config panel's Apply and this panel's "New run" button reset it.
+    The charts follow the last `steps` steps. Every `RunStarted` event (the Config panel's Apply, `reset_stats`,
+    this panel's "New run" button, a standard workload) starts a run segment, drawn with a labelled marker; earlier
+    segments are shown faded, and "this run" figures are those of the newest segment.
 
     Args:
         engine: the engine.
-        steps: steps kept for plots 1-2.
-        samples: time samples kept for plots 3-6 (one per poll while the engine works).
+        steps: steps kept (and shown) for every chart.
+        samples: stats samples kept for plots 3-6 (one per poll while the engine works).
         poller, autostart: see `Panel`.
 
-    Synced state: `steps` and `series` (column name -> float32 bytes; NaN marks a missing value), `reasons`,
-    `summary` (latest figures for the header line), `_lib` (the `PlotlyLib` model id).
+    Synced state: `steps` and `series` (column name -> float32 bytes; NaN marks a missing value or a line
+    break), `runs` (the segment markers, `series.RunSegments`), `reasons`,
+    `reason_info` (reason -> {label, meaning, fields}), `summary` (latest figures for the header line), `_lib` (the
+    `PlotlyLib` model id).
     """
 
     _esm = _assets.esm("plots.js")
     steps = traitlets.Dict().tag(sync=True)
     series = traitlets.Dict().tag(sync=True)
+    runs = traitlets.List().tag(sync=True)
     reasons = traitlets.List(traitlets.Unicode(), default_value=list(SKIP_REASONS)).tag(sync=True)
+    reason_info = traitlets.Dict().tag(sync=True)
     summary = traitlets.Dict().tag(sync=True)
+    window = traitlets.Int(240).tag(sync=True)
     _lib = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, engine: Any, *, steps: int = 240, samples: int = 600, **kwargs: Any) -> None:
-        self._step_series = StepSeries(steps)
+        self._t0 = time.perf_counter()
+        self._runs = RunSegments(_config_label(engine), t0=self._t0)
+        self._step_series = StepSeries(steps, runs=self._runs, t0=self._t0)
         self._time_series = TimeSeries(time.time(), samples)
         self._last_stats_key: tuple | None = None
         super().__init__(engine, **kwargs)
+        self.window = steps
 
     def _setup(self) -> None:
+        from ..explain import REASONS
+
         self._lib = plotly_lib().model_id
+        self.reason_info = {r: {"label": i.label, "meaning": i.meaning, "fields": list(i.fields)}
+                            for r, i in REASONS.items()}
+        self.runs = self._runs.to_list()
 
     def _needs(self) -> set[str]:
         return {"stats"}
@@ -114,15 +130,19 @@ class LivePlotsPanel(Panel):
         out: dict[str, Any] = {}
         if self._step_series.add_events(frame.events):
             out["steps"] = self._step_series.arrays()
+        runs = self._runs.to_list()
+        if runs != self.runs:
+            out["runs"] = runs
         st = frame.stats
         if st is not None:
             run = st["run"]
             key = (run["steps"], run["requests_finished"], run["requests_failed"], run["requests_cancelled"],
-                   run["prefix_hit_tokens"], round(run["kv_usage_blocks_frac"], 6))
-            # Idle engine: nothing moved, so add no flat sample (keeps the time axis on the activity).
+                   run["prefix_hit_tokens"], round(run["kv_usage_blocks_frac"], 6), self._runs.current)
+            # Idle engine: nothing moved, so add no flat sample (keeps the charts on the activity).
             if key != self._last_stats_key or frame.events:
                 self._last_stats_key = key
-                row = self._time_series.add_stats(frame.wall, st)
+                step = self._step_series.last_step or None
+                row = self._time_series.add_stats(frame.wall, st, step=step, run=self._runs.current)
                 out["series"] = self._time_series.arrays()
                 out["summary"] = self._summary(st, row)
         return out
@@ -131,6 +151,7 @@ class LivePlotsPanel(Panel):
         run = st["run"]
         cfg = self.engine.config
         device = getattr(getattr(self.engine, "device", None), "type", "cpu")
+        marker = self._runs.last
         return {
             "max_batch_tokens": cfg.max_batch_tokens, "device": device,
             "graphs_enabled": bool(any(cfg.cuda_graph_booleans)),
@@ -142,20 +163,13 @@ class LivePlotsPanel(Panel):
             "graph_capture_failures": run.get("cuda_graph_capture_failures", 0),
             "kv_blocks_pct": row["kv_blocks_pct"], "kv_tokens_pct": row["kv_tokens_pct"],
             "steps": run["steps"], "finished": run["requests_finished"],
+            "run_index": marker["index"], "run_label": marker["label"], "run_cause": marker["cause"],
         }
 
-    def new_run(self) -> None:
-        """Start a new run: reset the engine's run statistics and clear the plots."""
-        self.engine.reset_stats()
-        with self._lock:
-            self._step_series.clear()
-            self._time_series = TimeSeries(time.time(), self._time_series.size)
-            self._last_stats_key = None
-            with self.hold_sync():
-                self.steps = self._step_series.arrays()
-                self.series = self._time_series.arrays()
-                self.summary = {}
-        self.show("New run: statistics reset.", "ok")
+    def new_run(self, label: str = "New run button") -> None:
+        """Start a new run: reset the engine's run statistics; the plots start a new segment at this step."""
+        self.engine.reset_stats(label)
+        self.show("New run: statistics reset; the plots start a new segment.", "ok")
         self.poller.poke()
 
     def _on_new_run(self, _msg: dict) -> None:
@@ -168,3 +182,12 @@ class LivePlotsPanel(Panel):
 
         return {"steps": {k: np.frombuffer(v, dtype=np.float32) for k, v in self.steps.items()},
                 "series": {k: np.frombuffer(v, dtype=np.float32) for k, v in self.series.items()}}
+
+
+def _config_label(engine: Any) -> str:
+    """The first segment's label: the main sizes of the engine's config."""
+    cfg = getattr(engine, "config", None)
+    if cfg is None:
+        return "start"
+    return (f"page_size={cfg.page_size}, num_blocks={cfg.num_blocks}, max_batch_tokens={cfg.max_batch_tokens}, "
+            f"{cfg.scheduler_type}")

@@ -1,4 +1,5 @@
-"""The panels' state logic, free of widgets: request rows, streamed text, plot series, the KV page map encoding.
+"""The panels' state logic, free of widgets: request rows, streamed text, the KV page map encoding (the plot series
+are in `cbnb.ui.series`, re-exported here).
 
 Everything here is plain Python/NumPy so that it can be tested without a browser or a kernel; the widget classes
 only move these values into traitlets.
@@ -6,24 +7,20 @@ only move these values into traitlets.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..plan import SkipReason
+from .series import SKIP_REASONS, StepSeries, TimeSeries  # re-exported: the plot series live in .series
 
 __all__ = [
     "STATE_NAMES", "TERMINAL_STATES", "TextTracker", "request_rows", "stream_items", "StepSeries", "TimeSeries",
+    "prompt_label", "request_blocks",
     "encode_kv", "kv_block_details", "SKIP_REASONS", "fmt_bytes",
 ]
 
 STATE_NAMES = ("PENDING", "PREFILLING", "DECODING", "FINISHED", "FAILED", "CANCELLED")
 TERMINAL_STATES = frozenset({"FINISHED", "FAILED", "CANCELLED"})
-
-#: The scheduler's skip reasons (`cbnb.plan.SkipReason`, plain data), which name the stacked bars.
-SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
 
 
 def _state_name(state: Any) -> str:
@@ -57,6 +54,7 @@ class TextTracker:
         self.tokenizer = tokenizer
         self.max_chars = max_chars
         self._cache: dict[str, tuple[int, int, str, str]] = {}  # id -> (n tokens, stable n, stable text, text)
+        self._labels: dict[str, str] = {}  # id -> the prompt's first words
         self._pieces: dict[int, str] = {}  # token id -> its own text
 
     def text(self, request_id: str, token_ids: Sequence[int], final_text: str | None = None) -> str:
@@ -85,6 +83,14 @@ class TextTracker:
         self._cache[request_id] = (n, stable_n, stable_text, text)
         return text
 
+    def label(self, out: Any) -> str:
+        """`prompt_label` of a request, decoded once per request."""
+        rid = out.request_id
+        hit = self._labels.get(rid)
+        if hit is None:
+            hit = self._labels[rid] = prompt_label(out, self.tokenizer)
+        return hit
+
     def piece(self, token_id: int) -> str:
         """One token's own text (its id when there is no tokenizer); cached per id."""
         t = self._pieces.get(token_id)
@@ -98,9 +104,26 @@ class TextTracker:
         keep = set(keep)
         for rid in [r for r in self._cache if r not in keep]:
             del self._cache[rid]
+        for rid in [r for r in self._labels if r not in keep]:
+            del self._labels[rid]
 
 
 # ---------------------------------------------------------------------------------------------- requests
+def prompt_label(out: Any, tokenizer: Any = None, max_chars: int = 80) -> str:
+    """The first words of a request's prompt for display: what was typed (`RequestOutput.prompt_text`), else its ids
+    decoded by `tokenizer`, else the first ids ("ids 5 6 7 …")."""
+    text = getattr(out, "prompt_text", None)
+    ids = list(getattr(out, "prompt_token_ids", None) or [])
+    if not text and tokenizer is not None and ids:
+        try:
+            text = tokenizer.decode(ids[:32], skip_special_tokens=True)
+        except Exception:  # a tokenizer that cannot decode these ids: show them
+            text = ""
+    if not text:
+        text = "ids " + " ".join(str(i) for i in ids[:6]) + (" …" if len(ids) > 6 else "")
+    text = " ".join(str(text).split())
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
 def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int]:
     """Live requests (arrival order), then ended ones newest first, at most `max_finished` of those."""
     live = [r for r in requests if _state_name(r.state) not in TERMINAL_STATES]
@@ -113,15 +136,18 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
                  "prefix_cached_tokens", "offloads", "soft_resets", "sampling", "error", "warning", "finish_reason",
+                 "prompt_text",
                  "source")
 
 
-def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[list[Any]], dict[str, int], int]:
+def request_rows(requests: Sequence[Any], max_finished: int = 64,
+                 label: Any = None) -> tuple[list[list[Any]], dict[str, int], int]:
     """Rows for the request board.
 
     Args:
         requests: `engine.requests_snapshot()` (`RequestOutput`s, live first; their `max_new_tokens` gives progress).
         max_finished: ended requests shown at most (newest first).
+        label: request output -> the prompt's first words (default: `prompt_label` without a tokenizer).
 
     Returns:
         (rows in `BOARD_COLUMNS` order, count per state over all `requests`, ended requests not shown).
@@ -140,7 +166,8 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[
             len(r.prompt_token_ids), None if ttft is None else round(ttft * 1000, 1),
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
             int(r.num_soft_resets), " · ".join(getattr(r, "processors", ()) or ()), r.error or "",
-            getattr(r, "warning", None) or "", r.finish_reason or "", getattr(r, "source", None) or "",
+            getattr(r, "warning", None) or "", r.finish_reason or "", label(r) if label is not None else prompt_label(r),
+            getattr(r, "source", None) or "",
         ])
     return rows, counts, hidden
 
@@ -166,6 +193,7 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
 
     Returns:
         dicts with id, state, text, n (tokens out), max (max_new_tokens or None), error, reason (finish reason),
+        prompt (the prompt's first words, `prompt_label`),
         lp (`logprob_tokens`: the newest tokens with their logprobs, for requests that asked for them).
     """
     shown, _ = _ordered(requests, max_finished)
@@ -175,129 +203,9 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
         final = r.text if state in TERMINAL_STATES and r.text else None
         items.append({"id": r.request_id, "state": state, "text": texts.text(r.request_id, r.token_ids, final),
                       "n": len(r.token_ids), "max": r.max_new_tokens, "error": r.error or "",
-                      "reason": r.finish_reason or "", "lp": logprob_tokens(r, texts)})
+                      "reason": r.finish_reason or "", "prompt": texts.label(r), "lp": logprob_tokens(r, texts)})
     texts.prune(r.request_id for r in requests)
     return items
-
-
-# ---------------------------------------------------------------------------------------------- plot series
-class _Ring:
-    """Fixed-size float32 columns, appended row by row (oldest dropped); `arrays()` gives each column's bytes in
-    time order (NaN = missing). Stored column-major so that a column's bytes are one contiguous slice."""
-
-    def __init__(self, columns: Sequence[str], size: int) -> None:
-        self.columns = tuple(columns)
-        self._index = {c: i for i, c in enumerate(self.columns)}
-        self.size = size
-        self._data = np.full((len(self.columns), size), np.nan, dtype=np.float32)
-        self._n = 0  # rows held
-        self._head = 0  # next write position
-
-    def append(self, row: Mapping[str, float | None]) -> None:
-        self._data[:, self._head] = [_num(row.get(c)) for c in self.columns]
-        self._head = (self._head + 1) % self.size
-        self._n = min(self._n + 1, self.size)
-
-    def clear(self) -> None:
-        self._data[:] = np.nan
-        self._n = self._head = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def _ordered(self, i: int) -> np.ndarray:
-        col = self._data[i]
-        if self._n < self.size:
-            return col[: self._n]
-        return np.concatenate((col[self._head:], col[: self._head]))
-
-    def column(self, name: str) -> np.ndarray:
-        return self._ordered(self._index[name]).astype(np.float64)
-
-    def arrays(self) -> dict[str, bytes]:
-        return {c: self._ordered(i).tobytes() for i, c in enumerate(self.columns)}
-
-
-def _num(v: Any) -> float:
-    if v is None:
-        return math.nan
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-class StepSeries(_Ring):
-    """Per-step batch composition from `StepPlanned` events: prefill and decode tokens against the token budget,
-    and how many requests were left out for each reason (columns ``skip_<reason>``). A step number that goes back
-    (the engine was reconfigured, so its steps count from 1 again) starts the series afresh."""
-
-    def __init__(self, size: int = 240) -> None:
-        super().__init__(("step", "prefill", "decode", "budget", "requests")
-                         + tuple(f"skip_{r}" for r in SKIP_REASONS), size)
-        self._last_step = 0
-
-    def add_events(self, events: Iterable[Any]) -> int:
-        """Append a row per `StepPlanned` event. Returns how many were added."""
-        n = 0
-        for e in events:
-            if getattr(e, "kind", "") != "step_planned":
-                continue
-            if self._n and e.step <= self._last_step:
-                self.clear()  # the engine was rebuilt (reconfigure): its step numbers start again
-            self._last_step = e.step
-            row: dict[str, float] = {"step": e.step, "prefill": e.prefill_tokens, "decode": e.decode_tokens,
-                                     "budget": e.token_budget, "requests": e.requests_used}
-            for r in SKIP_REASONS:
-                row[f"skip_{r}"] = 0.0
-            for reason, ids, _detail in e.skipped:
-                key = f"skip_{reason}"
-                row[key] = row.get(key, 0.0) + len(ids)
-            self.append(row)
-            n += 1
-        return n
-
-
-class TimeSeries(_Ring):
-    """Samples of `engine.stats()` over time (seconds since `t0`): KV usage, prefix hits, offloads, graphs,
-    throughput and latency. Throughput is the rate of the cumulative output/prefill token counters between
-    samples, averaged over the last `window_s` seconds."""
-
-    COLUMNS = ("t", "kv_blocks_pct", "kv_tokens_pct", "prefix_hit_tokens", "prefix_hit_pct", "swaps",
-               "soft_resets", "restores", "graph_captures", "graph_replays", "out_tok_s", "prefill_tok_s",
-               "ttft_p50_ms", "tpot_p50_ms")
-
-    def __init__(self, t0: float, size: int = 600, window_s: float = 1.0) -> None:
-        super().__init__(self.COLUMNS, size)
-        self.t0 = t0
-        self.window_s = window_s
-        self._counters: deque[tuple[float, float, float]] = deque()
-
-    def add_stats(self, wall: float, stats: Mapping[str, Any]) -> dict[str, float | None]:
-        """Append one sample from `engine.stats()` read at `wall` (time.time()). Returns the row."""
-        run, cum = stats["run"], stats["cumulative"]
-        self._counters.append((wall, float(cum["output_tokens"]), float(cum["prefill_tokens"])))
-        while len(self._counters) > 2 and wall - self._counters[1][0] >= self.window_s:
-            self._counters.popleft()
-        (ta, oa, pa), (tb, ob, pb) = self._counters[0], self._counters[-1]
-        dt = tb - ta
-        out_rate = (ob - oa) / dt if dt > 0 else 0.0
-        pre_rate = (pb - pa) / dt if dt > 0 else 0.0
-        ttft, tpot = run["ttft_s"].get("p50"), run["tpot_s"].get("p50")
-        row = {
-            "t": wall - self.t0,
-            "kv_blocks_pct": 100.0 * run["kv_usage_blocks_frac"],
-            "kv_tokens_pct": 100.0 * run["kv_usage_tokens_frac"],
-            "prefix_hit_tokens": run["prefix_hit_tokens"],
-            "prefix_hit_pct": run["prefix_hit_rate_pct"],
-            "swaps": run["swaps"], "soft_resets": run["soft_resets"], "restores": run["restores"],
-            "graph_captures": run["cuda_graph_captures"], "graph_replays": run["cuda_graph_replays"],
-            "out_tok_s": out_rate, "prefill_tok_s": pre_rate,
-            "ttft_p50_ms": None if ttft is None else 1000 * ttft,
-            "tpot_p50_ms": None if tpot is None else 1000 * tpot,
-        }
-        self.append(row)
-        return row
 
 
 # ---------------------------------------------------------------------------------------------- KV page map
@@ -359,3 +267,34 @@ def kv_block_details(snapshot: Any, group: int, block: int) -> dict[str, Any]:
     return {"group": group, "block": block, "state": BlockState.NAMES[state], "refcount": int(g.refcount[block]),
             "owners": owners, "tokens": int(g.tokens[block]), "page_size": int(g.page_size),
             "attention_type": g.attention_type, "padding": block in g.padding_blocks}
+
+
+def request_blocks(snapshot: Any, request_id: str) -> dict[str, Any]:
+    """Every block a request holds in a `KVSnapshot`, for the page map's highlight.
+
+    Returns:
+        {"request_id", "blocks": per group the block indices, "shared": per group the blocks it shares,
+        "co_owners": other request id -> blocks shared with it (all groups), "count": blocks in all}; empty lists
+        when the request holds no block.
+    """
+    ids = list(snapshot.request_ids)
+    idx = ids.index(request_id) if request_id in ids else -1
+    blocks, shared, co = [], [], {}
+    for g in snapshot.groups:
+        if idx < 0:
+            blocks.append([])
+            shared.append([])
+            continue
+        mine = set(np.flatnonzero(g.owner == idx).tolist())
+        sh = []
+        for b, owners in g.shared_owners.items():
+            if idx in owners:
+                mine.add(int(b))
+                sh.append(int(b))
+                for o in owners:
+                    if o != idx and 0 <= o < len(ids):
+                        co[ids[o]] = co.get(ids[o], 0) + 1
+        blocks.append(sorted(int(b) for b in mine))
+        shared.append(sorted(sh))
+    return {"request_id": request_id, "blocks": blocks, "shared": shared, "co_owners": co,
+            "count": sum(len(b) for b in blocks)}

@@ -1,4 +1,5 @@
-"""`TokenStreamPanel`: each request's text growing live, with its state and a cancel button."""
+"""`TokenStreamPanel`: each request's text growing live, under its prompt's first words, with its state and a cancel
+button."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ class TokenStreamPanel(Panel):
         max_chars: trailing characters shown per request.
         poller, autostart: see `Panel`.
 
-    Synced state: `items`, a list of dicts {id, state, text, n, max, error, reason} (see `state.stream_items`).
-    Finished, failed and cancelled requests are marked by their state; a failed one shows its error.
+    Synced state: `items`, a list of dicts {id, state, text, n, max, error, reason, prompt} (see
+    `state.stream_items`; `prompt` is the prompt's first words). Finished, failed and cancelled requests are marked by
+    their state; a failed one shows its error. A click on a card selects its request (the "Why?" story).
     """
 
     _esm = _assets.esm("stream.js")
     items = traitlets.List().tag(sync=True)
+    selected = traitlets.Unicode("").tag(sync=True)  # the dashboard's selected request ("" for none)
 
     def __init__(self, engine: Any, *, max_finished: int = 12, max_chars: int = 4000, **kwargs: Any) -> None:
         self._max_finished = max_finished
@@ -59,3 +62,8 @@ class TokenStreamPanel(Panel):
             self.show("cancel: no request id given", "error")
             return
         self.cancel(rid)
+
+    def on_selection(self, what: str, request_id: str | None) -> None:
+        """`Selection` listener: mark the selected request."""
+        if what == "select":
+            self.selected = request_id or ""

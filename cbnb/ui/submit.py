@@ -78,8 +78,13 @@ class SubmitPanel(Panel):
         how = "chat template applied, " if self.chat_template else ""
         mode = f"temperature {temp:g}" if temp > 0 else "greedy"
         self.last_ids = [handle.request_id]
-        self.show(f"Submitted {handle.request_id}: {len(handle.prompt_token_ids)} prompt tokens ({how}{mode}), "
-                  f"up to {mnt} new tokens.", "ok")
+        n_prompt = len(handle.prompt_token_ids)
+        cap = handle.max_new_tokens
+        limit = f"up to {mnt} new tokens"
+        if cap is not None and cap < mnt:  # lowered to the model's max positions
+            limit = (f"up to {cap} new tokens (asked {mnt}: the model's {n_prompt + cap} max positions minus the "
+                     f"{n_prompt} prompt tokens)")
+        self.show(f"Submitted {handle.request_id}: {n_prompt} prompt tokens ({how}{mode}), {limit}.", "ok")
         return handle
 
     def run_workload(self, name: str | None = None, scale: float | None = None) -> list[Any]:
@@ -101,6 +106,8 @@ class SubmitPanel(Panel):
             self.show(f"Workload not started: {e}", "error")
             return []
         handles = []
+        # The plots start a new segment here, labelled with the workload.
+        self.engine.reset_stats(f"workload {wl.name} (scale {scale:g})", cause="workload")
         try:
             for p, n in zip(wl.prompts, wl.max_new_tokens):
                 handles.append(self.engine.submit(p, max_new_tokens=n, ignore_eos=True))

@@ -38,6 +38,8 @@ async ({ esm, css, state, models }) => {
     };
     return { model, data, saved, sent, emit };
   };
+  // A fresh document has lost the styles plotly.js injects when it loads: load it again.
+  delete globalThis.Plotly; globalThis.__cbnbPlotly = null;
   const others = {};
   for (const [id, st] of Object.entries(models || {})) others[id] = makeModel(st).model;
   const h = makeModel(state);

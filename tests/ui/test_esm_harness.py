@@ -270,6 +270,103 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)
 
 
+def test_plots_all_eight_reasons_have_distinct_colours_and_meanings(page, tiny_engine):
+    from cbnb.ui.plots import LivePlotsPanel, plotly_lib
+    from cbnb.ui.series import SKIP_REASONS
+
+    plots = LivePlotsPanel(tiny_engine, autostart=False)
+    for i in range(60):
+        plots._step_series.append({"step": i + 1, "budget": 64, **{f"skip_{r}": (i + k) % 3
+                                                                    for k, r in enumerate(SKIP_REASONS)}})
+    plots.steps = plots._step_series.arrays()
+    lib = plotly_lib()
+    mount(page, plots, models={lib.model_id: widget_state(lib)})
+    page.wait_for_function("() => (document.querySelector('.cbnb-plot-grid') || {}).__cbnbDraws >= 6",
+                           timeout=60_000)
+    traces = page.evaluate("""() => document.querySelectorAll('.cbnb-plots .js-plotly-plot')[1].data.map(
+        t => [t.name, t.fillcolor, t.hovertemplate])""")
+    assert len(traces) == 8 and len({c for _n, c, _h in traces}) == 8, traces  # 8 reasons, 8 colours
+    assert all(h == "%{y} left out" for _n, _c, h in traces)
+    items = page.locator(".cbnb-reason-legend .cbnb-legend-item")
+    assert items.count() == 8
+    texts = items.all_text_contents()
+    assert any(t.startswith("no free blocks: the KV cache has too few free blocks") for t in texts), texts
+    assert items.first.get_attribute("title").startswith("change it with: ")
+    page.screenshot(path=str(ARTIFACTS / "harness-plots-eight-reasons.png"), full_page=True)
+    # With no left-out request, the empty chart keeps its neighbour's step axis (not 0-6).
+    py_set(page, "steps", {**plots.steps, **{f"skip_{r}": np.zeros(60, np.float32).tobytes() for r in SKIP_REASONS}})
+    page.wait_for_function("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
+        return g[1].data.length === 0; }""", timeout=30_000)
+    r0, r1 = page.evaluate("""() => Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot'))
+        .slice(0, 2).map(g => g._fullLayout.xaxis.range)""")
+    assert r0 == r1 and r1[0] < 2 and r1[1] > 59, (r0, r1)
+
+
+def test_timeline_draws_256_requests_by_500_steps(page, tiny_engine):
+    """Draw time of the request timeline at its bound (256 requests x 500 steps), in Chromium; and a hover."""
+    from cbnb.events import RequestAdded, StepPlanned
+    from cbnb.ui.poller import Frame
+    from cbnb.ui.timeline import TimelinePanel
+
+    tl = TimelinePanel(tiny_engine, autostart=False)
+    rids = [f"req-{r}" for r in range(256)]
+    events = [RequestAdded(0, 0.0, r, 100, 32) for r in rids]
+    for s in range(1, 501):
+        k0 = s % 256
+        taken = [(rids[(k0 + k) % 256], "prefill" if k < 3 else "decode", 16 * (k + 1) if k < 3 else 1, 0, 0)
+                 for k in range(40)]
+        rest = [rids[(k0 + k) % 256] for k in range(40, 256)]
+        events.append(StepPlanned(s, 0.0, "fifo", taken, [
+            ("token_budget", rest[:100], {"budget_tokens": 256, "left_tokens": 0}),
+            ("no_free_blocks", rest[100:], {"needed_blocks": (2,), "available_blocks": (0,)})], [], 256, 256, 96,
+            37))
+    t0 = time.perf_counter()
+    tl._update(Frame(wall=time.time(), events=events))
+    py_ms = 1000 * (time.perf_counter() - t0)
+    assert tl.num_steps == 500 and len(tl.cells) == 256 * 500
+    page.set_viewport_size({"width": 1440, "height": 900})  # 500 columns of 2 px need a wide panel
+    mount(page, tl)
+    page.evaluate("() => { document.getElementById('root').style.width = '1300px'; }")
+    page.wait_for_selector(".cbnb-timeline canvas")
+    py_set(page, "view_steps", 500)  # every column: the most expensive view
+    changed = bytearray(tl.cells)
+    times = []
+    for k in range(12):
+        changed[k] = (changed[k] + 1) % 4
+        py_set(page, "cells", bytes(changed))  # a new frame of all 256 x 500 cells
+        times.append(page.evaluate("() => document.querySelector('.cbnb-timeline').__cbnbDrawMs.slice(-1)[0]"))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        tl.timeline.encode()
+    encode_ms = 100 * (time.perf_counter() - t0)
+    report = {"draw_ms": times, "draw_ms_median": float(np.median(times)), "python_fold_500_steps_ms": py_ms,
+              "python_encode_ms": encode_ms}
+    (ARTIFACTS / "timeline_256x500.json").write_text(json.dumps(report, indent=1))
+    print("timeline 256x500", json.dumps({k: v for k, v in report.items() if k != "draw_ms"}))
+    assert np.median(times) < 100  # one draw per poller tick (<= 10 Hz) must leave the page time for the rest
+    geo = page.evaluate("() => document.querySelector('.cbnb-timeline').__cbnbGeo")
+    assert geo["shown"] == 500 and geo["rows"][-1] == "req-255"
+    box = page.locator(".cbnb-tl-canvas").bounding_box()
+    page.mouse.move(box["x"] + geo["gutter"] + geo["colW"] * 499 + 1, box["y"] + geo["h"] - geo["rowH"] / 2)
+    hover = [m for m in sent(page) if m.get("kind") == "hover"][-1]
+    assert hover["id"] == "req-255" and hover["step"] == 500
+    page.evaluate("(m) => window.__h.pySend(m)", {"kind": "hover", "seq": hover["seq"],
+                                                  **tl.details("req-255", 500)})
+    tip = page.locator(".cbnb-tl-tooltip").text_content()
+    assert "req-255 · step 500 · decode" in tip and "decode: 1 tokens (positions 0-0) of the step's 256" in tip
+    # A cell of the bottom row that was left out for the token budget.
+    step = next(st for st in range(500, 400, -1) if tl.details("req-254", st).get("reason") == "token_budget")
+    page.mouse.move(box["x"] + geo["gutter"] + geo["colW"] * (step - 1) + 1, box["y"] + geo["h"] - geo["rowH"] * 1.5)
+    hover = [m for m in sent(page) if m.get("kind") == "hover"][-1]
+    assert hover["id"] == "req-254" and hover["step"] == step
+    d = tl.details("req-254", step)
+    page.evaluate("(m) => window.__h.pySend(m)", {"kind": "hover", "seq": hover["seq"], **d})
+    tip = page.locator(".cbnb-tl-tooltip").text_content()
+    assert f"step {step} · waiting" in tip and "left out: token budget" in tip and "budget 256 tokens, 0 left" in tip
+    page.screenshot(path=str(ARTIFACTS / "harness-timeline-256x500.png"))
+    page.set_viewport_size({"width": 1000, "height": 1600})
+
+
 def test_runs_panel_table_compare_chart_and_export(page):
     """The Runs panel's front-end: rows with spread, ticking two rows (synced `selected`), the compare table,
     the chart's points and min-max bars, choosing another figure, and the Export button's message."""

@@ -1,8 +1,9 @@
 """The quickstart notebook in a real JupyterLab, driven through headless Debian Chromium.
 
-One server, one page and one Run All are shared by the tests below, which run in file order:
-panels render → a typed prompt streams → update latency → KV hover → a slider change is applied in Python →
-a streamed token's logprob hover → a reload shows current plots. Screenshots go to test-artifacts/ui/.
+One server, one page and one Run All (`lab_session` in conftest.py, shared with test_lab_teaching.py) are used by
+the tests below, which run in file order: panels render → a typed prompt streams → update latency → KV hover → a
+slider change is applied in Python → a streamed token's logprob hover → a reload shows current plots. Screenshots go
+to test-artifacts/ui/.
 """
 
 from __future__ import annotations
@@ -10,109 +11,19 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab
+from .lab import ARTIFACTS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-NOTEBOOK = REPO / "examples" / "01_quickstart.ipynb"
-
-
-def _skip_reason() -> str | None:
-    if not Path(CHROMIUM).exists():
-        return f"{CHROMIUM} not installed (scripts/setup.sh --browser)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "python playwright not installed"
-    if shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None:
-        return "jupyter not installed in this environment"
-    return None
-
-
-class Session:
-    """The shared browser session: the Lab server, the page, and what the page reported."""
-
-    def __init__(self, lab: Lab, page, errors: list[str], console: list[str]) -> None:
-        self.lab, self.page, self.errors, self.console = lab, page, errors, console
-        self.timings: dict[str, float] = {}
-        self.t0 = time.monotonic()
-
-    def mark(self, name: str) -> None:
-        self.timings[name] = round(time.monotonic() - self.t0, 2)
-
-    def shot(self, name: str, **kw) -> None:
-        self.page.screenshot(path=str(ARTIFACTS / name), **kw)
-
-    def py(self, expr: str) -> str:
-        return self.lab.kernel_eval({"v": expr})["v"]
-
-
-def _wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
-    # Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]".
-    page.wait_for_function("""() => {
-        const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-        if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
-        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
-        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-    }""", timeout=timeout_ms)
-
-
 @pytest.fixture(scope="module")
-def session():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    # One torch thread in the kernel: Chromium and the server share the 2 CI cores, and torch's OpenMP threads
-    # stall whenever one of them loses its core (measured: ~1.4 output tok/s with 2 threads vs ~20 with 1).
-    lab = Lab([NOTEBOOK], env={"CBNB_CI": "1", "OMP_NUM_THREADS": "1"}).start()
-    errors: list[str] = []
-    console: list[str] = []
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1800})
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
-                        if m.type in ("error", "warning") else None)
-                s = Session(lab, page, errors, console)
-                page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={TOKEN}")
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-                page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-                    return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                           && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
-                s.mark("kernel idle")
-                # In use, the browser runs on the user's machine and the engine on the server. Here both share
-                # two cores, and the engine's compute threads would starve Chromium, so the latency measured
-                # would be CPU contention. Lower the kernel's main thread before any model or engine thread
-                # exists (threads inherit it); ipykernel's I/O threads, which relay messages, keep theirs.
-                s.py("__import__('os').setpriority(__import__('os').PRIO_PROCESS, 0, 10)")
-                page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-                page.wait_for_selector(".cbnb-submit", timeout=120_000)
-                s.mark("dashboard rendered")
-                page.locator(".cbnb-plots").scroll_into_view_if_needed()  # charts draw only when on screen
-                page.wait_for_selector(".cbnb-plots .js-plotly-plot", timeout=120_000)
-                s.mark("plots rendered")
-                _wait_run_all_done(page)
-                s.mark("run all done")
-                yield s
-            finally:
-                (ARTIFACTS / "e2e_console.txt").write_text("\n".join(console + ["--- pageerrors:"] + errors))
-                browser.close()
-    finally:
-        lab.stop()
+def session(lab_session):
+    """The package's shared JupyterLab session (tests/ui/conftest.py)."""
+    return lab_session
 
 
 def test_panels_render(session):
@@ -132,6 +43,17 @@ def test_panels_render(session):
     # plots have data from the notebook's run
     n = page.evaluate("() => document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x.length")
     assert n > 0
+    # The skip chart shares the step axis of its neighbour, also while no request was left out (not 0-6).
+    page.locator(".cbnb-plots .js-plotly-plot").nth(1).scroll_into_view_if_needed()
+    page.wait_for_function("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
+        return g[0]._fullLayout && g[1]._fullLayout; }""", timeout=30_000)
+    r0, r1, empty, notes = page.evaluate("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
+        return [g[0]._fullLayout.xaxis.range, g[1]._fullLayout.xaxis.range, g[1].data.length === 0,
+                (g[1].layout.annotations || []).map(a => a.text)]; }""")
+    assert r0 == r1, (r0, r1)
+    if empty:
+        assert "no request was left out in these steps" in notes, notes
+    session.shots("01b-skip-chart-shares-the-step-axis", ".cbnb-plots")
     assert session.errors == [], session.errors
     session.shot("01-after-run-all.png", full_page=True)
 
@@ -258,10 +180,10 @@ def test_slider_apply_changes_engine_config(session):
     page.locator(".cbnb-config .cbnb-apply").click()
     try:
         page.wait_for_function(
-            "() => /^Applied/.test(document.querySelector('.cbnb-config > .cbnb-message').textContent)", timeout=60_000)
+            "() => /^Applied/.test(document.querySelector('.cbnb-config .cbnb-apply-bar .cbnb-message').textContent)", timeout=60_000)
     finally:
         session.shot("04-config-applied.png", full_page=True)
-    message = page.locator(".cbnb-config > .cbnb-message").text_content()
+    message = page.locator(".cbnb-config .cbnb-apply-bar .cbnb-message").text_content()
     after = int(session.py("engine.config.max_batch_tokens"))
     assert after == before + 64, (before, after, message)
     assert session.errors == [], session.errors

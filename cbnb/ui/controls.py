@@ -1,0 +1,164 @@
+"""`ControlsPanel`: the dashboard's top bar, for teaching: step-by-step mode and presentation mode.
+
+- Pause / Step / Resume and a slow-motion cap (steps per second): `Engine.pause`, `step`, `resume`,
+  `set_step_rate`. While paused every panel shows the state after the last step; submissions are admitted and wait
+  PENDING (the bar counts them), so a lone prompt can be followed PENDING -> PREFILLING (chunk by chunk) ->
+  DECODING -> FINISHED one step at a time.
+- Presentation: a font scale (1x-2x) for projectors, applied to every cbnb panel of the page (the CSS variable
+  ``--cbnb-scale`` on ``<html>``); colours follow JupyterLab's light or dark theme on their own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import traitlets
+
+from . import _assets
+from .base import Panel
+from .poller import Frame
+
+__all__ = ["ControlsPanel", "STEP_RATES"]
+
+#: The slow-motion choices offered (steps per second; 0 = no cap).
+STEP_RATES = [0.0, 0.5, 1.0, 2.0, 5.0, 10.0]
+
+
+class ControlsPanel(Panel):
+    """Step mode and presentation controls.
+
+    Synced state: `paused`, `step_rate` (steps/s, 0 = no cap), `last_step` (the newest step planned), `waiting`
+    (requests PENDING), `running` (requests PREFILLING or DECODING), `engine_state`, `rates` (choices),
+    `font_scale` (1.0-2.0; set by the front-end), `stepping` (a single step is running).
+    """
+
+    _esm = _assets.esm("controls.js")
+    paused = traitlets.Bool(False).tag(sync=True)
+    step_rate = traitlets.Float(0.0).tag(sync=True)
+    rates = traitlets.List(traitlets.Float(), default_value=STEP_RATES).tag(sync=True)
+    last_step = traitlets.Int(0).tag(sync=True)
+    waiting = traitlets.Int(0).tag(sync=True)
+    running = traitlets.Int(0).tag(sync=True)
+    engine_state = traitlets.Unicode("").tag(sync=True)
+    stepping = traitlets.Bool(False).tag(sync=True)
+    font_scale = traitlets.Float(1.0).tag(sync=True)
+
+    @traitlets.validate("font_scale")
+    def _valid_scale(self, proposal: Any) -> float:
+        v = float(proposal["value"])
+        return min(2.0, max(1.0, v)) if v == v else 1.0
+
+    def _setup(self) -> None:
+        self._sync()
+
+    def _sync(self) -> None:
+        eng = self.engine
+        with self.hold_sync():
+            self.paused = bool(getattr(eng, "paused", False))
+            self.step_rate = float(getattr(eng, "step_rate", None) or 0.0)
+
+    # ------------------------------------------------------------------------------------------ actions
+    def pause(self) -> None:
+        """Pause after the step now running (`Engine.pause`)."""
+        self.engine.pause(wait=False)
+        self.paused = True
+        self.show("Paused: panels show the state after the last step; submissions wait PENDING. "
+                  "Step runs one scheduling step.", "info")
+        self.poller.poke()
+
+    def resume(self) -> None:
+        """Let steps run freely again (`Engine.resume`)."""
+        self.engine.resume()
+        self.paused = False
+        self.show("Running.", "ok")
+        self.poller.poke()
+
+    def step(self, wait: bool = False, timeout: float = 60.0) -> bool:
+        """Run exactly one scheduling step (`Engine.step`) on a worker thread, then hold.
+
+        Returns:
+            False when a step is already running; with `wait`, True once this step completed.
+        """
+        if self.stepping:
+            return False
+        self.stepping = True
+        self.paused = True
+
+        def work() -> None:
+            try:
+                sid = self.engine.step(timeout=timeout)
+                self.show(self._describe(sid), "ok" if sid is not None else "info")
+            except Exception as e:
+                self.show(f"Step failed: {type(e).__name__}: {e}", "error")
+            finally:
+                self.stepping = False
+                self.poller.poke()
+
+        t = threading.Thread(target=work, name="cbnb-ui-step", daemon=True)
+        t.start()
+        if wait:
+            t.join(timeout)
+        return True
+
+    def set_step_rate(self, steps_per_s: float) -> None:
+        """Slow motion: at most `steps_per_s` steps per second (0: no cap)."""
+        self.engine.set_step_rate(steps_per_s or None)
+        self._sync()
+        self.show(f"Slow motion: at most {steps_per_s:g} steps per second." if steps_per_s else
+                  "Slow motion off.", "info")
+
+    def _describe(self, step_id: int | None) -> str:
+        """One line about a step from its StepPlanned event."""
+        if step_id is None:
+            return "Nothing to step: no request is waiting or running."
+        log = self.engine.events
+        recent, _, _ = log.since(max(0, log.cursor - 5000))  # the step is among the newest events
+        ev = next((e for e in reversed(recent) if e.kind == "step_planned" and e.step == step_id), None)
+        if ev is None:
+            return f"Step {step_id} ran."
+        chunks = [f"{t[0]} prefill {t[2]} tokens" for t in ev.taken if t[1] == "prefill"]
+        decodes = sum(1 for t in ev.taken if t[1] == "decode")
+        left = sum(len(ids) for _r, ids, _d in ev.skipped)
+        parts = chunks + ([f"{decodes} decode{'s' if decodes != 1 else ''}"] if decodes else [])
+        text = f"Step {step_id}: " + (", ".join(parts) if parts else "nothing scheduled")
+        if left:
+            reasons = ", ".join(sorted({r.replace('_', ' ') for r, _ids, _d in ev.skipped}))
+            text += f"; {left} left out ({reasons})"
+        return text + ". Paused."
+
+    def _on_pause(self, _msg: dict) -> None:
+        self.pause()
+
+    def _on_resume(self, _msg: dict) -> None:
+        self.resume()
+
+    def _on_step(self, _msg: dict) -> None:
+        self.step()
+
+    def _on_rate(self, msg: dict) -> None:
+        try:
+            rate = float(msg.get("value") or 0.0)
+        except (TypeError, ValueError):
+            self.show(f"slow motion: not a number: {msg.get('value')!r}", "error")
+            return
+        self.set_step_rate(rate)
+
+    # ------------------------------------------------------------------------------------------ poller
+    def _needs(self) -> set[str]:
+        return {"requests"}
+
+    def _values(self, frame: Frame) -> dict[str, Any]:
+        eng = self.engine
+        out: dict[str, Any] = {"paused": bool(getattr(eng, "paused", False)),
+                               "step_rate": float(getattr(eng, "step_rate", None) or 0.0),
+                               "engine_state": frame.engine_state}
+        for e in reversed(frame.events):
+            if getattr(e, "kind", "") == "step_planned":
+                out["last_step"] = int(e.step)
+                break
+        if frame.requests is not None:
+            states = [getattr(r.state, "name", str(r.state)) for r in frame.requests]
+            out["waiting"] = states.count("PENDING")
+            out["running"] = states.count("PREFILLING") + states.count("DECODING")
+        return out
