@@ -8,30 +8,18 @@ JupyterLab's own command), as test-artifacts/ui/<name>-light.png and <name>-dark
 from __future__ import annotations
 
 import re
-import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab, skip_reason, wait_run_all_done
 
 NOTEBOOK = REPO / "examples" / "01_quickstart.ipynb"
 VIEWPORT = {"width": 1440, "height": 900}
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 
 
-def _skip_reason() -> str | None:
-    if not Path(CHROMIUM).exists():
-        return f"{CHROMIUM} not installed (scripts/setup.sh --browser)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "python playwright not installed"
-    if shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None:
-        return "jupyter not installed in this environment"
-    return None
 
 
 class Session:
@@ -79,19 +67,11 @@ class Session:
         self.set_theme("light")
 
 
-def wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
-    # Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]".
-    page.wait_for_function("""() => {
-        const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-        if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
-        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
-        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-    }""", timeout=timeout_ms)
 
 
 @pytest.fixture(scope="package")
 def lab_session():
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from playwright.sync_api import sync_playwright

@@ -132,3 +132,26 @@ class Lab:
             return out
         finally:
             kc.stop_channels()
+
+def skip_reason() -> str | None:
+    """Why the real-browser tests cannot run here (None: they can)."""
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} not installed (scripts/setup.sh --browser)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "python playwright not installed"
+    if shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None:
+        return "jupyter not installed in this environment"
+    return None
+
+
+def wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
+    """Wait until a Run All has finished: the kernel idle and every code cell numbered."""
+    # Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]".
+    page.wait_for_function("""() => {
+        const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+        if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
+        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
+        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+    }""", timeout=timeout_ms)

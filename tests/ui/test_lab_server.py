@@ -15,8 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab
-from .test_lab_e2e import _skip_reason, _wait_run_all_done
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab, skip_reason, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -51,7 +50,7 @@ def _stat(page, name: str) -> str:
 
 
 def test_server_panel_live_copy_and_themes():
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from playwright.sync_api import sync_playwright
@@ -79,7 +78,7 @@ def test_server_panel_live_copy_and_themes():
                 page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
                 page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
                 page.wait_for_selector(".cbnb-server .cbnb-server-item", timeout=120_000)
-                _wait_run_all_done(page)
+                wait_run_all_done(page)
                 url = json.loads(lab.kernel_eval({"u": "__import__('json').dumps(server.url)"})["u"].strip("'"))
                 assert page.locator(".cbnb-server .cbnb-server-url").text_content() == url
 

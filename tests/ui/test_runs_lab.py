@@ -16,8 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TOKEN, Lab
-from .test_lab_e2e import _skip_reason, _wait_run_all_done
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TOKEN, Lab, skip_reason, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -44,7 +43,7 @@ CELLS = [
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from playwright.sync_api import sync_playwright
@@ -71,7 +70,7 @@ def session(tmp_path_factory):
                 page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
                 page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
                 page.wait_for_selector(".cbnb-runs .cbnb-runs-table tbody tr", timeout=240_000)
-                _wait_run_all_done(page)
+                wait_run_all_done(page)
                 page.locator(".cbnb-runs").scroll_into_view_if_needed()
                 yield lab, page, errors
             finally:
