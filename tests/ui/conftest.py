@@ -70,12 +70,27 @@ class Session:
 
 
 @pytest.fixture(scope="package")
-def lab_session():
+def chromium():
+    """One headless Chromium for every JupyterLab test of this folder: Playwright's sync API runs one instance per
+    thread, and `lab_session` lives until the folder ends, while other modules open Labs of their own."""
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="package")
+def lab_session(chromium):
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     # One torch thread in the kernel: Chromium and the server share the 2 CI cores, and torch's OpenMP threads
     # stall whenever one of them loses its core (measured: ~1.4 output tok/s with 2 threads vs ~20 with 1).
@@ -83,37 +98,35 @@ def lab_session():
     errors: list[str] = []
     console: list[str] = []
     try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport=VIEWPORT)
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
-                        if m.type in ("error", "warning") else None)
-                s = Session(lab, page, errors, console)
-                page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={TOKEN}")
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-                page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-                    return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                           && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
-                s.mark("kernel idle")
-                # In use, the browser runs on the user's machine and the engine on the server. Here both share
-                # two cores, and the engine's compute threads would starve Chromium, so the latency measured
-                # would be CPU contention. Lower the kernel's main thread before any model or engine thread
-                # exists (threads inherit it); ipykernel's I/O threads, which relay messages, keep theirs.
-                s.py("__import__('os').setpriority(__import__('os').PRIO_PROCESS, 0, 10)")
-                page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-                page.wait_for_selector(".cbnb-submit", timeout=120_000)
-                s.mark("dashboard rendered")
-                page.locator(".cbnb-plots").scroll_into_view_if_needed()  # charts draw only when on screen
-                page.wait_for_selector(".cbnb-plots .js-plotly-plot", timeout=120_000)
-                s.mark("plots rendered")
-                wait_run_all_done(page)
-                s.mark("run all done")
-                yield s
-            finally:
-                (ARTIFACTS / "e2e_console.txt").write_text("\n".join(console + ["--- pageerrors:"] + errors))
-                browser.close()
+        page = chromium.new_page(viewport=VIEWPORT)
+        try:
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
+                    if m.type in ("error", "warning") else None)
+            s = Session(lab, page, errors, console)
+            page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={TOKEN}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+                return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+                       && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
+            s.mark("kernel idle")
+            # In use, the browser runs on the user's machine and the engine on the server. Here both share
+            # two cores, and the engine's compute threads would starve Chromium, so the latency measured
+            # would be CPU contention. Lower the kernel's main thread before any model or engine thread
+            # exists (threads inherit it); ipykernel's I/O threads, which relay messages, keep theirs.
+            s.py("__import__('os').setpriority(__import__('os').PRIO_PROCESS, 0, 10)")
+            page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            page.wait_for_selector(".cbnb-submit", timeout=120_000)
+            s.mark("dashboard rendered")
+            page.locator(".cbnb-plots").scroll_into_view_if_needed()  # charts draw only when on screen
+            page.wait_for_selector(".cbnb-plots .js-plotly-plot", timeout=120_000)
+            s.mark("plots rendered")
+            wait_run_all_done(page)
+            s.mark("run all done")
+            yield s
+        finally:
+            (ARTIFACTS / "e2e_console.txt").write_text("\n".join(console + ["--- pageerrors:"] + errors))
+            page.close()
     finally:
         lab.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TOKEN, Lab, skip_reason, wait_run_all_done
+from .lab import ARTIFACTS, TOKEN, Lab, skip_reason, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -42,12 +42,10 @@ CELLS = [
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(tmp_path_factory, chromium):
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     nb_path = tmp_path_factory.mktemp("runsnb") / "runs_panel.ipynb"
     nb = nbformat.v4.new_notebook()
@@ -57,24 +55,22 @@ def session(tmp_path_factory):
     lab = Lab([nb_path], env={"CBNB_CI": "1", "OMP_NUM_THREADS": "1"}).start()
     errors: list[str] = []
     try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1440, "height": 900})
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(f"{lab.url}/lab/tree/{nb_path.name}?token={TOKEN}")
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-                page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-                    return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                           && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
-                page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-                page.wait_for_selector(".cbnb-runs .cbnb-runs-table tbody tr", timeout=240_000)
-                wait_run_all_done(page)
-                page.locator(".cbnb-runs").scroll_into_view_if_needed()
-                yield lab, page, errors
-            finally:
-                browser.close()
+        page = chromium.new_page(viewport={"width": 1440, "height": 900})
+        try:
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{lab.url}/lab/tree/{nb_path.name}?token={TOKEN}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+                return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+                       && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
+            page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            page.wait_for_selector(".cbnb-runs .cbnb-runs-table tbody tr", timeout=240_000)
+            wait_run_all_done(page)
+            page.locator(".cbnb-runs").scroll_into_view_if_needed()
+            yield lab, page, errors
+        finally:
+            page.close()
     finally:
         lab.stop()
 
