@@ -45,8 +45,11 @@ def test_panels_render(session):
     assert n > 0
     # The skip chart shares the step axis of its neighbour, also while no request was left out (not 0-6).
     page.locator(".cbnb-plots .js-plotly-plot").nth(1).scroll_into_view_if_needed()
+    # Both drawn, with the same x range (the charts redraw one at a time: wait for the second to catch up).
     page.wait_for_function("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
-        return g[0]._fullLayout && g[1]._fullLayout; }""", timeout=30_000)
+        return g[0]._fullLayout && g[1]._fullLayout
+               && JSON.stringify(g[0]._fullLayout.xaxis.range) === JSON.stringify(g[1]._fullLayout.xaxis.range); }""",
+                           timeout=30_000)
     r0, r1, empty, notes = page.evaluate("""() => { const g = document.querySelectorAll('.cbnb-plots .js-plotly-plot');
         return [g[0]._fullLayout.xaxis.range, g[1]._fullLayout.xaxis.range, g[1].data.length === 0,
                 (g[1].layout.annotations || []).map(a => a.text)]; }""")
