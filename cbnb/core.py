@@ -70,13 +70,18 @@ class EngineCore:
         config: a resolved `ContinuousBatchingConfig`.
         cache: the `CacheManager`.
         on_terminal: optional callback(request) when a request reaches FINISHED, FAILED or CANCELLED.
+        clock: time source (seconds) for the requests' state changes and token times; default
+            `time.perf_counter` (the engine's wall clock); the simulator passes its virtual clock.
     """
 
     def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager,
-                 on_terminal: Callable[[Request], None] | None = None) -> None:
+                 on_terminal: Callable[[Request], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.cache = cache
+        self.clock = clock or time.perf_counter
         self.scheduler = make_scheduler(config, cache)
+        self.scheduler.clock = self.clock
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.on_terminal = on_terminal
@@ -140,7 +145,7 @@ class EngineCore:
 
     def _end(self, req: Request, state: RequestState) -> None:
         req.pending_samples = 0
-        req.transition(state)
+        req.transition(state, self.clock())
         self.cache.release(req)
         self.cache.forget(req)
         self.scheduler.remove(req.request_id)
@@ -212,7 +217,7 @@ class EngineCore:
             req.num_computed = 0
             req.num_soft_resets += 1
         self.offload_counts[d.path] += 1
-        req.transition(RequestState.PENDING)
+        req.transition(RequestState.PENDING, self.clock())
         self.scheduler.add_waiting(req)
         work.offloads.append(d)
 
@@ -227,6 +232,7 @@ class EngineCore:
         """
         updated = []
         register = self.cache.register_completed
+        now = self.clock()
         for s in work.plan.scheduled:
             req = s.request
             if req.state >= _FINISHED:
@@ -237,7 +243,7 @@ class EngineCore:
                 if tok is None:
                     self._fail(req, f"internal error: step {work.step_id} returned no token")
                     continue
-                done = req.append_token(int(tok))
+                done = req.append_token(int(tok), now)
                 updated.append(req)
                 if done:
                     self._end(req, RequestState.FINISHED)

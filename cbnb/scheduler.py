@@ -29,6 +29,7 @@ that decided it. This module is torch-free.
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,7 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.active: OrderedDict[str, Request] = OrderedDict()
         self.block_new_requests = False
+        self.clock = time.perf_counter  # time stamps of state changes (the core sets its own clock)
         sliding_cap = cache.layout.max_window
         self._read_cap = (sliding_cap - 1) if sliding_cap else None
 
@@ -220,6 +222,7 @@ class Scheduler:
         cache = self.cache
         cache.flush_host_releases()
         cache.release_empty_sectors()
+        now = self.clock()
         free = cache.free_fraction()
         margin = self.safety_margin
         below = free < margin
@@ -332,9 +335,9 @@ class Scheduler:
             if samples:
                 req.pending_samples += 1
                 if state is not _DECODING:
-                    req.transition(_DECODING)
+                    req.transition(_DECODING, now)
             elif state is not _PREFILLING:
-                req.transition(_PREFILLING)
+                req.transition(_PREFILLING, now)
             if waiting:
                 admitted.append(rid)
             scheduled.append(ScheduledRequest(req, start, n, "decode" if decode else "prefill", samples, hit,

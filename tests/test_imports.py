@@ -8,6 +8,9 @@ import sys
 CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", "cbnb.cache.allocators",
         "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
         "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads"]
+# The simulator: importable (and usable) on a machine without torch.
+SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.calibrate",
+       "cbnb.sim.validate"]
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -20,6 +23,16 @@ def test_core_modules_do_not_import_torch():
     mods = _loaded_after("\n".join(f"import {m}" for m in CORE))
     assert "torch" not in mods and "transformers" not in mods
     assert set(CORE) <= mods
+
+
+def test_sim_imports_and_simulates_without_torch():
+    # torch and transformers made unimportable: the simulator must still load its data files and run a step.
+    code = ("import sys\nfor m in ('torch', 'transformers'): sys.modules[m] = None\n"
+            + "\n".join(f"import {m}" for m in SIM)
+            + "\nfrom cbnb.sim import SimEngine\ne = SimEngine('qwen3-0.6b', 'h100-sxm')\n"
+            "e.submit(list(range(100, 164)), 4)\nassert e.run()['run']['output_tokens'] == 4")
+    mods = _loaded_after(code)
+    assert set(SIM) <= mods
 
 
 def test_engine_imports_without_ui_or_gguf():

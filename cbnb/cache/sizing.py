@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import KVLayout
+from .layout import KVLayout, layout_for
 
-__all__ = ["MemoryPlan", "plan_cache", "swap_sectors"]
+__all__ = ["MemoryPlan", "plan_cache", "swap_sectors", "plan_memory"]
 
 GiB = 1 << 30
 
@@ -151,3 +151,38 @@ def swap_sectors(layout: KVLayout, cpu_offload_space_gib: float | None, safety_t
     else:
         want = min(int(cpu_offload_space_gib * GiB), cap)
     return max(0, want // layout.bytes_per_sector) if want > 0 else 0
+
+
+def plan_memory(config: Any, spec: dict[str, Any], itemsize: int, *, device_type: str, free_bytes: int,
+                weight_bytes: int, host_available_bytes: int,
+                cuda_graphs_supported: bool | None = None) -> tuple[Any, KVLayout, MemoryPlan, int]:
+    """Resolve a config for a device and size its cache and swap pool, allocating nothing (torch-free).
+
+    The sequence `cbnb.Engine.plan_memory` runs with measured free memory; `cbnb.sim.SimEngine` runs it with a
+    hardware profile's figures.
+
+    Args:
+        config: a `ContinuousBatchingConfig` (not modified).
+        spec: `model_kv_spec(...)` output plus "intermediate_size".
+        itemsize: bytes per KV element.
+        device_type: "cpu", "cuda", ... (for `ContinuousBatchingConfig.resolve`).
+        free_bytes: device memory free once the weights are loaded.
+        weight_bytes: the weights' bytes (reported in the plan).
+        host_available_bytes: host RAM available (clamps the swap pool).
+
+    Returns:
+        (resolved config with num_blocks filled in, the layout, the memory plan, host swap sectors).
+
+    Raises:
+        ValueError: an invalid page size or layer layout. MemoryError: as `plan_cache`.
+    """
+    r = config.resolve(device_type, cuda_graphs_supported=cuda_graphs_supported)
+    layout = layout_for(spec, itemsize, r.page_size)
+    mp = plan_cache(layout, spec, max_batch_tokens=r.max_batch_tokens, max_requests_per_batch=r.max_requests_per_batch,
+                    max_memory_percent=r.max_memory_percent, free_bytes=free_bytes, weight_bytes=weight_bytes,
+                    num_blocks=r.num_blocks)
+    swap = 0
+    if r.cpu_offload_space is None or r.cpu_offload_space > 0:
+        swap = swap_sectors(layout, r.cpu_offload_space, r.cpu_offload_space_safety_threshold, host_available_bytes)
+    r.num_blocks = mp.num_blocks
+    return r, layout, mp, swap
