@@ -1,0 +1,203 @@
+"""The torch measurements behind `cbnb.sim.calibrate` (imported only when torch is installed)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .calibrate import _ROWS, _ATT_ROWS, _median_time, _positive
+from .shapes import ModelShape
+
+METHODS = {
+    "memory_bandwidth": "256 MiB tensor copy, (read + write) bytes / s",
+    "host_device_bandwidth": "index_select + index_copy_ of whole KV blocks (the swap path), block bytes / s",
+    "peak_flops": "the fastest GEMM rate of gemm_flops",
+    "gemm_flops": "the shape's 7 decoder projections at 1..512 rows, weights cycled through 512 MiB, minus dispatch",
+    "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
+    "elementwise_bandwidth": "mul/add/pow-mean over [256, intermediate] rows, bytes touched / s",
+    "kernel_launch_s": "one small tensor op (dispatch)",
+    "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, linear fit over 2/8 layers "
+                       "and 1/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
+    "layer_overhead_s": "same fit: per decoder layer",
+    "attention_call_s": "same fit: per attention call (one per single-page decode row and layer)",
+    "request_overhead_s": "same fit: per scheduled request",
+}
+
+
+def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..., None]) -> dict[str, Any]:
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[s.dtype]
+        reps = 3 if quick else 7
+        out: dict[str, Any] = {"backend": f"torch {torch.__version__}", "threads": torch.get_num_threads()}
+        out["op_s"] = _op_cost(reps)
+        out["bandwidth"], out["swap_bandwidth"] = _bandwidth(s, quick, reps)
+        log(f"bandwidth {out['bandwidth'] / 1e9:.1f} GB/s, swap {out['swap_bandwidth'] / 1e9:.1f} GB/s, "
+            f"op {out['op_s'] * 1e6:.2f} us")
+        out["gemm"] = _gemm(s, dt, quick, log)
+        out["attention"] = _attention(s, dt, quick, reps, log)
+        out["elementwise"] = _elementwise(s, dt, reps, out["op_s"])
+        log(f"elementwise {out['elementwise'] / 1e9:.1f} GB/s")
+        out.update(_fixed_costs(s, quick, log))
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def _op_cost(reps: int) -> float:
+    a, b = torch.ones(8), torch.ones(8)
+    n = 2000
+    return _median_time(lambda: [torch.add(a, b) for _ in range(n)], reps) / n
+
+
+def _bandwidth(s: ModelShape, quick: bool, reps: int) -> tuple[float, float]:
+    n = (64 if quick else 256) << 20
+    src = torch.ones(n // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bw = 2 * n / _median_time(lambda: dst.copy_(src), reps)
+    # The swap copy: rows of one block (all layers of a page) gathered and scattered by index.
+    block = max(4096, 2 * s.num_kv_heads * s.head_dim * s.itemsize * 16 * s.num_layers)
+    rows = max(8, n // 4 // block)
+    pool = torch.zeros(rows, block, dtype=torch.uint8)
+    host = torch.zeros(rows, block, dtype=torch.uint8)
+    idx = torch.randperm(rows)
+    swap = rows * block / _median_time(lambda: host.index_copy_(0, idx, pool.index_select(0, idx)), reps)
+    return bw, swap
+
+
+def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None]) -> list[list[float]]:
+    h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
+    projections = [(h, H * d), (h, Hkv * d), (h, Hkv * d), (H * d, h), (h, i), (h, i), (i, h)]
+    layer_bytes = sum(k * n for k, n in projections) * s.itemsize
+    budget = (128 if quick else 512) << 20
+    nl = max(2, min(s.num_layers, math.ceil(budget / layer_bytes)))
+    if nl * layer_bytes > 2 * budget:
+        nl = max(1, budget // layer_bytes)
+    weights = [[torch.randn(n, k, dtype=dt) for k, n in projections] for _ in range(int(nl))]
+    flops_layer = 2 * sum(k * n for k, n in projections)
+    tiny_w = torch.randn(16, 16, dtype=dt)
+    tiny_x = torch.randn(1, 16, dtype=dt)
+    dispatch = _median_time(lambda: [F.linear(tiny_x, tiny_w) for _ in range(200)], 3) / 200
+    curve = []
+    for m in (_ROWS[::2] + (_ROWS[-1],) if quick else _ROWS):
+        xs = {k: torch.randn(m, k, dtype=dt) for k in {p[0] for p in projections}}
+
+        def run() -> None:
+            for ws in weights:
+                for (k, _), w in zip(projections, ws):
+                    F.linear(xs[k], w)
+
+        t = _median_time(run, 2 if quick else 3, min_s=0.05)
+        t = _positive(t - dispatch * len(projections) * nl, t * 0.1)
+        rate = m * flops_layer * nl / t
+        curve.append([m, rate])
+        log(f"GEMM rows={m}: {rate / 1e9:.1f} GFLOP/s")
+    return curve
+
+
+def _attention(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, log: Callable[..., None]) -> list[list[float]]:
+    H, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+    small = torch.randn(1, 1, 1, 8, dtype=dt)
+    call = _median_time(lambda: [F.scaled_dot_product_attention(small, small, small) for _ in range(100)], 3) / 100
+    curve = []
+    keys = 512
+    q = torch.randn(1, H, 1, d, dtype=dt)
+    k = torch.randn(1, Hkv, keys, d, dtype=dt)
+    t = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True), reps)
+    curve.append([1, 4 * H * d * keys / _positive(t - call, t * 0.1)])
+    for n in (_ATT_ROWS[1::2] if quick else _ATT_ROWS):
+        q = torch.randn(1, H, n, d, dtype=dt)
+        k = torch.randn(1, Hkv, n, d, dtype=dt)
+        t = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), reps)
+        curve.append([n, 4 * H * d * (n * (n + 1) // 2) / _positive(t - call, t * 0.1)])
+    log("attention " + ", ".join(f"rows={m}: {r / 1e9:.1f} GFLOP/s" for m, r in curve))
+    return curve
+
+
+def _elementwise(s: ModelShape, dt: torch.dtype, reps: int, op_s: float) -> float:
+    rows, i, h = 256, s.intermediate_size, s.hidden_size
+    a, b, c = (torch.randn(rows, i, dtype=dt) for _ in range(3))
+    x = torch.randn(rows, h, dtype=dt)
+    size = s.itemsize
+
+    def run() -> None:
+        torch.mul(a, b, out=c)  # 3 * rows * i touched
+        torch.add(c, a, out=b)  # 3 * rows * i
+        x.pow(2).mean(-1)  # 3 * rows * h
+        torch.mul(x, x)  # 3 * rows * h
+
+    touched = size * rows * (6 * i + 6 * h)
+    t = _median_time(run, reps)
+    return touched / _positive(t - 5 * op_s, t * 0.1)
+
+
+def _tiny_model(s: ModelShape, layers: int) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw: dict[str, Any] = dict(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2 if s.num_kv_heads > 1 else 1, head_dim=16, vocab_size=512,
+                              max_position_embeddings=4096, tie_word_embeddings=s.tie_word_embeddings)
+    if s.layer_types is not None:
+        kw["layer_types"] = [s.layer_types[j % len(s.layer_types)] for j in range(layers)]
+    if s.sliding_window is not None:
+        kw["sliding_window"] = s.sliding_window
+    try:
+        cfg = AutoConfig.for_model(s.model_type, **kw)
+    except (ValueError, KeyError):
+        cfg = AutoConfig.for_model("llama", **{k: v for k, v in kw.items() if k not in ("layer_types",)})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _decode_step_s(model: Any, rows: int, steps: int) -> float:
+    """Median seconds of a decode step of `rows` single-page requests, from the engine's own step events."""
+    from ..config import ContinuousBatchingConfig
+    from ..engine import Engine
+
+    cfg = ContinuousBatchingConfig(page_size=256, num_blocks=rows + 4, max_batch_tokens=512)
+    eng = Engine(model, config=cfg)
+    gate = threading.Event()
+    drain = eng._drain
+    eng._drain = lambda: (gate.wait(60), drain())[1]  # every request lands in the first loop turn
+    eng.start()
+    try:
+        handles = [eng.submit(list(range(10, 18)), max_new_tokens=steps + 1, eos_token_id=-1) for _ in range(rows)]
+        eng._drain = drain
+        gate.set()
+        for hd in handles:
+            hd.result(timeout=600)
+    finally:
+        gate.set()
+        eng.stop()
+    plans = {e.step: e for e in eng.events.events("step_planned")}
+    times = [e.t - plans[e.step].t for e in eng.events.events("step_timing")
+             if e.step in plans and plans[e.step].prefill_tokens == 0 and len(plans[e.step].taken) == rows]
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _fixed_costs(s: ModelShape, quick: bool, log: Callable[..., None]) -> dict[str, float]:
+    steps = 12 if quick else 40
+    t: dict[tuple[int, int], float] = {}
+    for layers in (2, 8):
+        model = _tiny_model(s, layers)
+        for rows in (1, 16):
+            t[layers, rows] = _decode_step_s(model, rows, steps)
+    d1 = t[8, 1] - t[2, 1]  # 6 * (layer + call)
+    d16 = t[8, 16] - t[2, 16]  # 6 * (layer + 16 call)
+    call = max(0.0, (d16 - d1) / (6 * 15))
+    layer = max(0.0, d1 / 6 - call)
+    req = max(0.0, (t[2, 16] - t[2, 1] - 30 * call) / 15)
+    base = max(0.0, t[2, 1] - 2 * layer - 2 * call - req)
+    log(f"fixed: step {base * 1e3:.3f} ms, layer {layer * 1e6:.1f} us, attention call {call * 1e6:.1f} us, "
+        f"request {req * 1e6:.1f} us  (from {', '.join(f'L{k[0]}xB{k[1]}={v * 1e3:.2f}ms' for k, v in t.items())})")
+    return {"step_s": base, "layer_s": layer, "call_s": call, "request_s": req}

@@ -1,0 +1,113 @@
+"""`calibrate()`: measure this machine's ``cpu`` profile with microbenchmarks at a model's shapes (about a minute).
+
+What is measured (medians of repeated timings; nothing here looks at the validation workloads):
+
+1. **memory bandwidth**: a 256 MiB copy, bytes read + written per second; the swap path's rate (``index_select`` +
+   ``index_copy_`` of whole blocks, as `cbnb.runner.kv.KVStore` copies them) as the host<->device bandwidth;
+2. **GEMM FLOP/s by rows**: the shape's seven decoder projections at 1 .. 512 rows, cycling through as many distinct
+   layers' weights as fit in 512 MiB so that weights stream from memory as in a forward, minus one dispatch per call;
+3. **attention FLOP/s by query rows**: `scaled_dot_product_attention` at the shape's heads, causal chunks of 16 .. 512
+   rows and single decode rows over 512 keys, minus one call's dispatch;
+4. **elementwise bandwidth**: multiply/add/reduce over ``[256, intermediate]`` rows (the norms, RoPE, activation);
+5. **fixed costs**: cbnb's own runner (`ModelRunner`, paged attention, sampler) and core driving two tiny random
+   models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1 and 16
+   decode rows: the per-step overhead, per decoder layer, per attention call and per request, by linear fit;
+6. **per-kernel dispatch**: one small tensor op.
+
+With torch absent, a rough profile comes from NumPy (bandwidth, GEMMs, one op's cost); the fixed costs are then
+estimated from the op cost and kernel counts, and the profile's notes say so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+from .profiles import HardwareProfile
+from .shapes import load_shape
+
+__all__ = ["calibrate"]
+
+_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_ATT_ROWS = (16, 64, 256, 512)
+
+
+def _median_time(fn: Callable[[], Any], reps: int, min_s: float = 0.0) -> float:
+    fn()  # warm-up
+    ts = []
+    while len(ts) < reps or sum(ts) < min_s:
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if len(ts) >= 50 * reps:
+            break
+    return statistics.median(ts)
+
+
+def _available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a cbnb dependency
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str = "cpu", threads: int | None = None,
+              save: bool | str = True, quick: bool = False, verbose: bool = False) -> HardwareProfile:
+    """Measure this CPU as a `HardwareProfile` (see the module docstring for what and how).
+
+    Args:
+        shape: the model shape whose GEMM and attention sizes are measured (a name or anything `load_shape` takes).
+        dtype: "float32" (cbnb's CPU dtype) or "bfloat16".
+        name: the profile's name ("cpu" is what `load_profile("cpu")` reads).
+        threads: torch intra-op threads while measuring (default: torch's current setting, as the engine runs).
+        save: True: save to `profile_cache_dir()/<name>.json`; a path: save there; False: do not save.
+        quick: fewer repetitions and rows (for tests; a few seconds, less precise).
+        verbose: print each measurement.
+
+    Returns:
+        The profile (saved unless `save` is False).
+    """
+    t_start = time.perf_counter()
+    s = load_shape(shape, dtype=dtype)
+    log = print if verbose else (lambda *a, **k: None)
+    try:
+        from . import _calibrate_torch as impl
+    except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
+        from . import _calibrate_numpy as impl  # type: ignore[no-redef]
+    figures = impl.measure(s, threads=threads, quick=quick, log=log)
+    mem = _available_memory()
+    profile = HardwareProfile(
+        name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
+        peak_flops={s.dtype: max(r for _, r in figures["gemm"])},
+        memory_bandwidth=figures["bandwidth"], host_device_bandwidth=figures["swap_bandwidth"],
+        step_overhead_s=figures["step_s"], step_overhead_graph_s=figures["step_s"],
+        kernel_launch_s=figures["op_s"], layer_overhead_s=figures["layer_s"], attention_call_s=figures["call_s"],
+        request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
+        attention_flops={s.dtype: figures["attention"]}, elementwise_bandwidth=figures["elementwise"],
+        sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
+        notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
+               f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
+               + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")),
+    )
+    if save:
+        path = profile.save(None if save is True else save)
+        log(f"saved {path}")
+    return profile
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _positive(x: float, floor: float) -> float:
+    return x if math.isfinite(x) and x > floor else floor
