@@ -1,0 +1,109 @@
+"""`SimEngine` (skeleton): cache sizing with the engine's code from the profile's memory, clear errors, the virtual
+clock (request times and stats in simulated seconds), the sync and async timelines, and the read API."""
+
+from __future__ import annotations
+
+import pytest
+
+from cbnb.cache.sizing import plan_cache
+from cbnb.config import ContinuousBatchingConfig
+from cbnb.requests import RequestState
+from cbnb.sim import SIM_TOKEN, HardwareProfile, SimEngine, load_profile, load_shape
+
+GiB = 1 << 30
+CPU = HardwareProfile(name="t-cpu", kind="cpu", runner="cpu", memory_bytes=4 * GiB, peak_flops={"float32": 1e11},
+                      memory_bandwidth=2e10, host_device_bandwidth=1e10, step_overhead_s=1e-3,
+                      step_overhead_graph_s=1e-3, kernel_launch_s=1e-5, host_memory_bytes=8 * GiB)
+
+
+def test_cache_is_sized_by_the_engines_code_from_the_profile():
+    sim = SimEngine("llama-3.1-8b", "h100-sxm")
+    shape, prof = load_shape("llama-3.1-8b"), load_profile("h100-sxm")
+    r = ContinuousBatchingConfig().resolve("cuda")
+    assert sim.config.max_memory_percent == 0.9 and sim.config.max_batch_tokens == 8192  # GPU resolution
+    assert sim.config.use_cuda_graph == (True, True) and sim.async_batching
+    want = plan_cache(shape.layout(r.page_size), shape.kv_spec(), max_batch_tokens=r.max_batch_tokens,
+                      max_requests_per_batch=r.max_requests_per_batch, max_memory_percent=r.max_memory_percent,
+                      free_bytes=prof.memory_bytes - prof.reserved_bytes - shape.weight_bytes(),
+                      weight_bytes=shape.weight_bytes())
+    assert sim.memory == want and sim.config.num_blocks == want.num_blocks
+    assert sim.memory_split()["weights"] == shape.weight_bytes() == 2 * 8_030_261_248
+    # More memory, more blocks; a smaller max_memory_percent, fewer.
+    assert SimEngine("llama-3.1-8b", "h200").config.num_blocks > sim.config.num_blocks
+    assert SimEngine("llama-3.1-8b", "h100-sxm", ContinuousBatchingConfig(max_memory_percent=0.5)).config.num_blocks \
+        < sim.config.num_blocks
+
+
+def test_what_does_not_fit_is_a_clear_error():
+    with pytest.raises(MemoryError, match="weights of qwen3-32b .* do not fit profile 'l4'"):
+        SimEngine("qwen3-32b", "l4")
+    with pytest.raises(MemoryError, match="max_batch_tokens"):
+        SimEngine("llama-3.1-8b", "l4", ContinuousBatchingConfig(max_batch_tokens=1 << 20))
+    with pytest.raises(MemoryError, match="num_blocks=10000000"):
+        SimEngine("llama-3.1-8b", "l4", ContinuousBatchingConfig(num_blocks=10_000_000))
+    with pytest.raises(ValueError, match="unknown hardware profile"):
+        SimEngine("llama-3.1-8b", "h900")
+    with pytest.raises(ValueError, match="unknown model shape"):
+        SimEngine("llama-9", "h100-sxm")
+    with pytest.raises(ValueError, match="ContinuousBatchingConfig.page_size"):
+        SimEngine("llama-3.1-8b", "h100-sxm", ContinuousBatchingConfig(page_size=2))
+    sim = SimEngine("qwen3-0.6b", "l4")
+    with pytest.raises(ValueError, match="empty prompt"):
+        sim.submit([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sim.submit([151936])
+    with pytest.raises(ValueError, match="max positions"):
+        sim.submit([5] * 40960)
+    sim.submit([5, 6], 3, request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        sim.submit([5, 6], 3, request_id="a")
+
+
+def test_sync_clock_requests_and_stats_are_in_simulated_seconds():
+    sim = SimEngine(load_shape("smollm2-135m", dtype="float32"), CPU,
+                    ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64))
+    outs = sim.generate([[40 + i for i in range(n)] for n in (30, 70, 10)], max_new_tokens=[5, 3, 8])
+    assert [o.state for o in outs] == [RequestState.FINISHED] * 3
+    assert [o.token_ids for o in outs] == [[SIM_TOKEN] * 5, [SIM_TOKEN] * 3, [SIM_TOKEN] * 8]
+    # The clock is the sum of the predicted step times; steps tile the timeline without gaps.
+    assert sim.now == pytest.approx(sum(s.cost.total_s for s in sim.steps))
+    for a, b in zip(sim.steps, sim.steps[1:]):
+        assert b.start_s == pytest.approx(a.end_s)
+    ends = {s.step_id: s.end_s for s in sim.steps}
+    plans = sim.events.events("step_planned")
+    # Each request's first token is stamped at the end of the step that produced it (virtual seconds).
+    for o in outs:
+        assert o.timings.queued == 0.0
+        assert o.timings.first_token in ends.values() and 0 < o.timings.first_token <= o.timings.finished <= sim.now
+    st = sim.stats()
+    assert st["run"]["output_tokens"] == 16 and st["run"]["requests_finished"] == 3
+    assert st["run"]["span_s"] == pytest.approx(sim.now)
+    assert st["run"]["ttft_s"]["max"] == pytest.approx(max(o.timings.ttft_s for o in outs))
+    assert st["sim"]["steps"] == len(sim.steps) == len(plans)
+    assert sim.snapshot() is not None and sim.requests_snapshot()[-1].request_id == outs[-1].request_id
+
+
+def test_async_timeline_overlaps_host_with_device():
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=256, max_batch_tokens=256)
+    prompts = [[40 + i for i in range(100)]] * 8
+    results = {}
+    for mode in (False, True):
+        sim = SimEngine("qwen3-0.6b", "h100-sxm", cfg, async_batching=mode)
+        sim.generate(prompts, max_new_tokens=32)
+        results[mode] = sim
+    sync, async_ = results[False], results[True]
+    assert not sync.async_batching and async_.async_batching
+    # Same work; async hides host time behind the device, so it finishes sooner but not faster than the device.
+    assert sum(s.cost.total_s for s in sync.steps) == pytest.approx(sync.now)
+    device = sum(s.cost.device_s for s in async_.steps)
+    assert device <= async_.now < sync.now
+    assert async_.stats()["run"]["output_tokens"] == sync.stats()["run"]["output_tokens"] == 8 * 32
+
+
+def test_swap_copies_cost_host_link_time():
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=12, max_batch_tokens=64, cpu_offload_space=0.01)
+    sim = SimEngine(load_shape("smollm2-135m", dtype="float32"), CPU, cfg)
+    sim.generate([[40 + j for j in range(20 + 7 * i)] for i in range(4)], max_new_tokens=40)
+    swapped = [s for s in sim.steps if s.cost.parts["swap"] > 0]
+    assert swapped and sim.stats()["run"]["swaps"] >= 1
+    assert all(s.cost.parts["swap"] * CPU.host_device_bandwidth > 0 for s in swapped)
