@@ -20,8 +20,8 @@ METHODS = {
     "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
     "elementwise_bandwidth": "mul/add/pow-mean over [256, intermediate] rows, bytes touched / s",
     "kernel_launch_s": "one small tensor op (dispatch)",
-    "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, linear fit over 2/8 layers "
-                       "and 1/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
+    "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, least-squares fit over 2/8 "
+                       "layers and 1/8/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
     "layer_overhead_s": "same fit: per decoder layer",
     "attention_call_s": "same fit: per attention call (one per single-page decode row and layer)",
     "request_overhead_s": "same fit: per scheduled request",
@@ -186,18 +186,24 @@ def _decode_step_s(model: Any, rows: int, steps: int) -> float:
 
 
 def _fixed_costs(s: ModelShape, quick: bool, log: Callable[..., None]) -> dict[str, float]:
-    steps = 12 if quick else 40
-    t: dict[tuple[int, int], float] = {}
-    for layers in (2, 8):
-        model = _tiny_model(s, layers)
-        for rows in (1, 16):
-            t[layers, rows] = _decode_step_s(model, rows, steps)
-    d1 = t[8, 1] - t[2, 1]  # 6 * (layer + call)
-    d16 = t[8, 16] - t[2, 16]  # 6 * (layer + 16 call)
-    call = max(0.0, (d16 - d1) / (6 * 15))
-    layer = max(0.0, d1 / 6 - call)
-    req = max(0.0, (t[2, 16] - t[2, 1] - 30 * call) / 15)
-    base = max(0.0, t[2, 1] - 2 * layer - 2 * call - req)
+    """Fit t(L, B) = step + L * layer + L * B * call + B * request over tiny models' decode steps (least squares).
+
+    The (layers, rows) points are measured in interleaved rounds so that a noisy period hits them all alike."""
+    import numpy as np
+
+    steps = 12 if quick else 30
+    rounds = 1 if quick else 2
+    points = [(layers, rows) for layers in (2, 8) for rows in (1, 8, 16)]
+    models = {layers: _tiny_model(s, layers) for layers in (2, 8)}
+    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for _ in range(rounds):
+        for layers, rows in points:
+            samples[layers, rows].append(_decode_step_s(models[layers], rows, steps))
+    t = {p: sorted(v)[len(v) // 2] for p, v in samples.items()}
+    a = np.array([[1.0, L, L * B, B] for L, B in points])
+    y = np.array([t[p] for p in points])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    base, layer, call, req = (max(0.0, float(c)) for c in coef)
     log(f"fixed: step {base * 1e3:.3f} ms, layer {layer * 1e6:.1f} us, attention call {call * 1e6:.1f} us, "
         f"request {req * 1e6:.1f} us  (from {', '.join(f'L{k[0]}xB{k[1]}={v * 1e3:.2f}ms' for k, v in t.items())})")
     return {"step_s": base, "layer_s": layer, "call_s": call, "request_s": req}

@@ -9,9 +9,9 @@ What is measured (medians of repeated timings; nothing here looks at the validat
 3. **attention FLOP/s by query rows**: `scaled_dot_product_attention` at the shape's heads, causal chunks of 16 .. 512
    rows and single decode rows over 512 keys, minus one call's dispatch;
 4. **elementwise bandwidth**: multiply/add/reduce over ``[256, intermediate]`` rows (the norms, RoPE, activation);
-5. **fixed costs**: cbnb's own runner (`ModelRunner`, paged attention, sampler) and core driving two tiny random
-   models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1 and 16
-   decode rows: the per-step overhead, per decoder layer, per attention call and per request, by linear fit;
+5. **fixed costs**: `cbnb.Engine` (its runner, paged attention, sampler, core and telemetry) serving two tiny random
+   models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1, 8 and 16
+   decode rows: the per-step overhead, per decoder layer, per attention call and per request, by least squares;
 6. **per-kernel dispatch**: one small tensor op.
 
 With torch absent, a rough profile comes from NumPy (bandwidth, GEMMs, one op's cost); the fixed costs are then
@@ -98,15 +98,6 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         path = profile.save(None if save is True else save)
         log(f"saved {path}")
     return profile
-
-
-def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return my - slope * mx, slope
 
 
 def _positive(x: float, floor: float) -> float:

@@ -110,6 +110,7 @@ class SimEngine:
         self.cost = CostModel(self.shape, self.profile, resolved)
         self.steps: list[SimStep] = []
         self._stats = RunStats()
+        self._kv_sample_t: float | None = None
         self._outputs: dict[str, RequestOutput] = {}
         self._order: list[str] = []
         self._recent: "collections.deque[RequestOutput]" = collections.deque(maxlen=256)
@@ -211,6 +212,8 @@ class SimEngine:
             start = self.now
             work = self._schedule()
             if work.empty and not work.swap_outs:
+                if work.failed or work.offloads:
+                    continue  # progress without a forward (the engine's loop turns over the same way)
                 raise self._stuck(work)
             cost = self.cost.step(StepLoad.from_work(work, self.layout))
             self.now = start + cost.total_s
@@ -224,15 +227,17 @@ class SimEngine:
         device_free = 0.0
         n = 0
         while self.core.has_work or inflight is not None:
-            if max_steps is not None and n >= max_steps and inflight is None:
+            if not self.core.has_work or (max_steps is not None and n >= max_steps):
+                if inflight is not None:
+                    inflight = self._collect(inflight)
+                    continue
                 break
-            if not self.core.has_work:
-                inflight = self._collect(inflight)
-                continue
             start = self.now
             work = self._schedule()
             if work.empty and not work.swap_outs:
                 if inflight is None:
+                    if work.failed or work.offloads:
+                        continue
                     raise self._stuck(work)
                 inflight = self._collect(inflight)  # what blocks scheduling may be the step in flight
                 continue
@@ -264,7 +269,8 @@ class SimEngine:
             for d in work.offloads:
                 self.events.append(Offload(work.step_id, start, d.request.request_id, d.path, d.reason,
                                            d.blocks_freed, d.tokens_to_recompute))
-        if self.telemetry and len(self.steps) % 16 == 1:
+        if self.telemetry and (self._kv_sample_t is None or self.now - self._kv_sample_t >= 0.2):
+            self._kv_sample_t = self.now  # the engine's rule (a KV usage sample every 0.2 s), in simulated seconds
             self._stats.on_kv(kv_usage(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()}))
 
     # ------------------------------------------------------------------------------------------ read API

@@ -49,10 +49,11 @@ def _real_run(model: Any, tokenizer: Any, wl: Any, cfg: Any) -> tuple[dict[int, 
         gate.set()
         eng.stop()
     starts = {e.step: e.t for e in eng.events.events("step_planned")}
-    steps = {e.step: e.t - starts[e.step] for e in eng.events.events("step_timing") if e.step in starts}
-    ends = [e.t for e in eng.events.events("step_timing")]
-    wall = max(ends) - min(starts[s] for s in steps)
-    return steps, wall, _plans(eng.events), eng.config
+    timing = {e.step: e for e in eng.events.events("step_timing") if e.step in starts}
+    steps = {s: e.t - starts[s] for s, e in timing.items()}
+    wall = max(e.t for e in timing.values()) - min(starts[s] for s in steps)
+    phases = {s: (e.prepare_s, e.forward_s, e.sample_s, e.schedule_s + e.update_s) for s, e in timing.items()}
+    return steps, wall, _plans(eng.events), (eng.config, phases)
 
 
 def _sim_run(shape: Any, profile: Any, wl: Any, cfg: Any) -> tuple[dict[int, float], float, list[tuple], Any]:
@@ -84,12 +85,13 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
     wl = get_workload(name, vocab_size=model.config.vocab_size, seed=seed, scale=scale)
     cfg = cbnb.ContinuousBatchingConfig(**wl.config_hints)
     t0 = time.perf_counter()
-    measured, wall, real_plans, real_cfg = _real_run(model, tokenizer, wl, cfg)
+    measured, wall, real_plans, (real_cfg, phases) = _real_run(model, tokenizer, wl, cfg)
     real_s = time.perf_counter() - t0
     shape = load_shape(model.config, dtype=str(next(model.parameters()).dtype))
     # The real engine sized its cache from free RAM; the simulator takes that size (same decisions to compare).
     predicted, pwall, sim_plans, sim = _sim_run(shape, profile, wl, cfg.copy(num_blocks=real_cfg.num_blocks))
     common = sorted(set(measured) & set(predicted))
+    sim_parts = {s.step_id: dict(s.cost.parts, host=s.cost.host_s, launch=s.cost.launch_s) for s in sim.steps}
     errs = [abs(predicted[s] - measured[s]) / measured[s] for s in common if measured[s] > 0]
     prefill_steps = {p[0] for p in real_plans if any(t[1] == "prefill" for t in p[1])}
     e_pre = [abs(predicted[s] - measured[s]) / measured[s] for s in common if s in prefill_steps]
@@ -101,7 +103,8 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
         "median_prefill_step_error": statistics.median(e_pre) if e_pre else float("nan"),
         "median_decode_step_error": statistics.median(e_dec) if e_dec else float("nan"),
         "signed_wall_error": (pwall - wall) / wall, "real_run_s": real_s, "sim_run_s": sim.wall_s,
-        "per_step": [(s, measured[s], predicted[s]) for s in common],
+        # (step, measured s, predicted s, measured prepare/forward/sample/host s, predicted parts)
+        "per_step": [(s, measured[s], predicted[s], phases.get(s), sim_parts.get(s)) for s in common],
     }
 
 
@@ -123,22 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="a saved profile (name or JSON); default: calibrate now")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (default 1.0)")
     ap.add_argument("--json", default=None, help="also write the results (with per-step times) to this file")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for the engine and the calibration (default: torch's)")
     args = ap.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in names if w not in WORKLOADS]
     if bad:
         ap.error(f"--workloads: unknown {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
+    import torch
+
     import cbnb
 
     from .calibrate import calibrate
     from .profiles import load_profile
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = cbnb.load_model(MODEL)
     if args.profile:
         profile = load_profile(args.profile)
     else:
         t = time.perf_counter()
-        profile = calibrate(MODEL, save=False)
+        profile = calibrate(MODEL, save=False, verbose=True)
         print(f"calibrated in {time.perf_counter() - t:.0f} s ({profile.notes})")
     rows = [validate_workload(w, profile, model=model, tokenizer=tok, scale=args.scale) for w in names]
     print(_table(rows))
