@@ -81,6 +81,22 @@ def test_sync_clock_requests_and_stats_are_in_simulated_seconds():
     assert st["run"]["ttft_s"]["max"] == pytest.approx(max(o.timings.ttft_s for o in outs))
     assert st["sim"]["steps"] == len(sim.steps) == len(plans)
     assert sim.snapshot() is not None and sim.requests_snapshot()[-1].request_id == outs[-1].request_id
+    sim.reset_stats()
+    assert sim.stats()["run"]["steps"] == 0
+
+
+def test_cancel_and_plan_memory():
+    sim = SimEngine("qwen3-0.6b", "l4", ContinuousBatchingConfig(page_size=16))
+    a, b = sim.submit([5] * 40, 30), sim.submit([6] * 40, 30)
+    sim.run(max_steps=3)
+    assert sim.cancel(a) and not sim.cancel(a) and not sim.cancel("nope")
+    sim.run()
+    outs = {o.request_id: o for o in sim.outputs()}
+    assert outs[a].state == RequestState.CANCELLED and outs[b].state == RequestState.FINISHED
+    assert len(outs[b].token_ids) == 30 and 1 <= len(outs[a].token_ids) < 30
+    resolved, plan, swap = sim.plan_memory(ContinuousBatchingConfig(page_size=64))
+    assert resolved.page_size == 64 and resolved.num_blocks == plan.num_blocks and swap == 0
+    assert sim.config.page_size == 16  # planning allocates and changes nothing
 
 
 def test_async_timeline_overlaps_host_with_device():

@@ -82,17 +82,8 @@ class SimEngine:
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         self.user_config = config or ContinuousBatchingConfig()
         self.weight_bytes = self.shape.weight_bytes()
-        free = self.profile.free_bytes(self.weight_bytes)
-        if free <= 0:
-            raise MemoryError(f"the weights of {self.shape.name} ({self.weight_bytes / 2**30:.2f} GiB in "
-                              f"{self.shape.dtype}) do not fit profile {self.profile.name!r} "
-                              f"({self.profile.memory_bytes / 2**30:.2f} GiB, "
-                              f"{self.profile.reserved_bytes / 2**30:.2f} GiB reserved)")
-        host = self.profile.host_memory_bytes if self.profile.host_memory_bytes is not None else _UNLIMITED_HOST
-        resolved, layout, memory, swap = plan_memory(
-            self.user_config, self.shape.kv_spec(), self.shape.itemsize, device_type=self.profile.device_type,
-            free_bytes=free, weight_bytes=self.weight_bytes, host_available_bytes=host,
-            cuda_graphs_supported=self.profile.kind == "gpu")
+        resolved, memory, swap = self.plan_memory(self.user_config)
+        layout = self.shape.layout(resolved.page_size)
         self.config: ContinuousBatchingConfig = resolved
         self.layout = layout
         self.memory: MemoryPlan = memory
@@ -120,6 +111,28 @@ class SimEngine:
 
     def _clock(self) -> float:
         return self.now
+
+    def plan_memory(self, config: ContinuousBatchingConfig) -> tuple[ContinuousBatchingConfig, MemoryPlan, int]:
+        """Resolve `config` for the profile's device and size its cache, allocating nothing (as `Engine.plan_memory`).
+
+        Returns:
+            (resolved config with num_blocks filled in, the memory plan, host swap sectors).
+
+        Raises:
+            MemoryError: the weights, or the cache the config asks for, do not fit the profile's memory.
+        """
+        free = self.profile.free_bytes(self.weight_bytes)
+        if free <= 0:
+            raise MemoryError(f"the weights of {self.shape.name} ({self.weight_bytes / 2**30:.2f} GiB in "
+                              f"{self.shape.dtype}) do not fit profile {self.profile.name!r} "
+                              f"({self.profile.memory_bytes / 2**30:.2f} GiB, "
+                              f"{self.profile.reserved_bytes / 2**30:.2f} GiB reserved)")
+        host = self.profile.host_memory_bytes if self.profile.host_memory_bytes is not None else _UNLIMITED_HOST
+        resolved, _, memory, swap = plan_memory(
+            config, self.shape.kv_spec(), self.shape.itemsize, device_type=self.profile.device_type,
+            free_bytes=free, weight_bytes=self.weight_bytes, host_available_bytes=host,
+            cuda_graphs_supported=self.profile.kind == "gpu")
+        return resolved, memory, swap
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None,
@@ -168,6 +181,10 @@ class SimEngine:
     def outputs(self) -> list[RequestOutput]:
         """Terminal outputs of every request submitted so far that has ended, in submission order."""
         return [self._outputs[r] for r in self._order if r in self._outputs]
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in any non-terminal state (blocks freed at once). False when unknown or already ended."""
+        return self.core.cancel(request_id) is not None
 
     def _on_terminal(self, req: Request) -> None:
         self._stats.on_done(req)
@@ -280,6 +297,10 @@ class SimEngine:
                 "sim": {"sim_time_s": self.now, "steps": len(self.steps), "wall_s": self.wall_s,
                         "schedule_wall_s": self.schedule_wall_s, "async_batching": self.async_batching,
                         "num_blocks": self.config.num_blocks, "profile": self.profile.name, "shape": self.shape.name}}
+
+    def reset_stats(self) -> None:
+        """Start a new run for `stats()["run"]`."""
+        self._stats = RunStats()
 
     def memory_split(self) -> dict[str, int]:
         """Bytes by use: weights, kv_cache, activations, logits, swap_pool (as `cbnb.Engine.memory_split`)."""
