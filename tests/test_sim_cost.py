@@ -36,15 +36,25 @@ def test_one_decode_row_by_hand():
     assert c.parts["attention"] == pytest.approx(2 * 1.44e-6)
     # LM head: FLOPs 2*1*8*100 = 1600; bytes 4*8*(100 + 1) + 4*1*100 = 3232 + 400 = 3632 -> 3.632e-6
     assert c.parts["lm_head"] == pytest.approx(3.632e-6)
-    assert c.parts["sample"] == pytest.approx(8 * 100 / 1e9)
+    assert c.parts["sample"] == pytest.approx(12 * 100 / 1e9)  # 12 bytes per logit: gathered (r + w), argmax (r)
     assert c.parts["swap"] == 0
-    compute = 2 * 2.816e-6 + 3232 / 2e9 + 2 * 1.44e-6 + 3.632e-6 + 8e-7
+    compute = 2 * 2.816e-6 + 3232 / 2e9 + 2 * 1.44e-6 + 3.632e-6 + 1.2e-6
     assert c.compute_s == pytest.approx(compute)
     # launch: 2 layers * 1e-5 + (2 layers * 1 batched decode call) * 2e-6 + 8 kernels * 1e-6 = 3.2e-5
     assert c.launch_s == pytest.approx(3.2e-5)
     assert c.host_s == pytest.approx(1e-3 + 1e-4)
     assert c.total_s == pytest.approx(1.1e-3 + 3.2e-5 + compute)  # CPU runner: everything in turn
     assert not c.graph
+
+
+def test_gathered_decode_rows_use_the_measured_gather_rate():
+    # Two decode rows spanning 2 and 3 pages of 8: one batched call per layer; counted bytes per layer:
+    # row KV 10*32 + 20*32, q/o + new KV 2*96, gathered copy padded to 3 pages: 2 * 2 rows * 3 * 8 * 32 = 3072
+    # -> 320 + 640 + 192 + 3072 = 4224 bytes, at 1e8 B/s
+    m = CostModel(TOY, CPU.replace(gather_bandwidth=1e8), CFG)
+    c = m.step(StepLoad.of([(9, 1, True), (19, 1, True)]))
+    assert c.parts["attention"] == pytest.approx(2 * 4224 / 1e8)
+    assert c.launch_s == pytest.approx(2 * 1e-5 + 2 * 1 * 2e-6 + 8e-6)  # one batched call per layer
 
 
 def test_prefill_chunks_by_hand():

@@ -54,6 +54,11 @@ def test_measured_curve_interpolates_in_log_rows():
     assert p.gemm_rate("float32", 1000) == 9e9  # held beyond the last point
     assert p.gemm_rate("bfloat16", 8) == pytest.approx(121e12 * p.flops_efficiency)  # no curve: peak * efficiency
     assert p.attention_rate("float32", 4) == p.gemm_rate("float32", 4)
+    # A bandwidth curve is held (not scaled) below its first point.
+    e = p.replace(elementwise_curve={"float32": [[16, 4e10], [256, 2e10]]})
+    assert e.elementwise_rate("float32", 1) == 4e10 and e.elementwise_rate("float32", 64) == pytest.approx(3e10)
+    assert e.elementwise_rate("float32", 4096) == 2e10
+    assert p.elementwise_rate("float32", 64) == p.bandwidth  # no curve, no figure: the memory bandwidth
 
 
 def test_files_round_trip_and_errors(tmp_path, monkeypatch):

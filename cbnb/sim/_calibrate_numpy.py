@@ -16,7 +16,7 @@ METHODS = {
     "peak_flops": "the fastest GEMM rate of gemm_flops",
     "gemm_flops": "NumPy float32 matmul at the shape's 7 decoder projections, weights cycled through 512 MiB",
     "attention_flops": "not measured: the GEMM rate at the same rows",
-    "elementwise_bandwidth": "NumPy multiply/add over [256, intermediate] rows",
+    "elementwise_curve": "NumPy multiply/add over [256, intermediate] rows",
     "kernel_launch_s": "one small NumPy op",
     "step_overhead_s": "estimated: 200 small ops (no torch to run cbnb's runner)",
     "layer_overhead_s": "estimated: 24 small ops per decoder layer",
@@ -60,7 +60,7 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
         curve.append([m, 2 * m * sum(k * q for k, q in proj) * nl / _positive(t, 1e-9)])
         log(f"GEMM rows={m}: {curve[-1][1] / 1e9:.1f} GFLOP/s")
     x, y = np.ones((256, i), np.float32), np.ones((256, i), np.float32)
-    ew = 2 * 3 * x.nbytes / _median_time(lambda: (np.multiply(x, y, out=y), np.add(x, y, out=y)), reps)
+    ew = [[256, 2 * 3 * x.nbytes / _median_time(lambda: (np.multiply(x, y, out=y), np.add(x, y, out=y)), reps)]]
     return {"backend": f"numpy {np.__version__}", "threads": threads or 0, "op_s": op, "bandwidth": bw,
             "swap_bandwidth": swap, "gemm": curve, "attention": curve, "elementwise": ew,
             "step_s": 200 * op, "layer_s": 24 * op, "call_s": 8 * op, "request_s": 20 * op}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -16,9 +18,13 @@ METHODS = {
     "memory_bandwidth": "256 MiB tensor copy, (read + write) bytes / s",
     "host_device_bandwidth": "index_select + index_copy_ of whole KV blocks (the swap path), block bytes / s",
     "peak_flops": "the fastest GEMM rate of gemm_flops",
-    "gemm_flops": "the shape's 7 decoder projections at 1..512 rows, weights cycled through 512 MiB, minus dispatch",
+    "gemm_flops": "the shape's 7 decoder projections at 1..512 rows in interleaved rounds, weights cycled through "
+                  "512 MiB, minus dispatch; made non-decreasing in rows",
     "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
-    "elementwise_bandwidth": "mul/add/pow-mean over [256, intermediate] rows, bytes touched / s",
+    "elementwise_curve": "one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1..512 rows, L2 "
+                         "flushed before each run: the bytes the cost model counts for them per second",
+    "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
+                        "bytes the cost model counts per second",
     "kernel_launch_s": "one small tensor op (dispatch)",
     "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, least-squares fit over 2/8 "
                        "layers and 1/8/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
@@ -42,8 +48,8 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
             f"op {out['op_s'] * 1e6:.2f} us")
         out["gemm"] = _gemm(s, dt, quick, log)
         out["attention"] = _attention(s, dt, quick, reps, log)
-        out["elementwise"] = _elementwise(s, dt, reps, out["op_s"])
-        log(f"elementwise {out['elementwise'] / 1e9:.1f} GB/s")
+        out["elementwise"] = _elementwise(s, dt, quick, reps, out["op_s"], log)
+        out["gather"] = _gathered_decode(s, dt, reps, log)
         out.update(_fixed_costs(s, quick, log))
         return out
     finally:
@@ -84,21 +90,36 @@ def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None])
     tiny_w = torch.randn(16, 16, dtype=dt)
     tiny_x = torch.randn(1, 16, dtype=dt)
     dispatch = _median_time(lambda: [F.linear(tiny_x, tiny_w) for _ in range(200)], 3) / 200
+    grid = _ROWS[::2] + (_ROWS[-1],) if quick else _ROWS
+    inputs = {m: {k: torch.randn(m, k, dtype=dt) for k in {p[0] for p in projections}} for m in grid}
+
+    def run(m: int) -> float:
+        xs = inputs[m]
+        t0 = time.perf_counter()
+        for ws in weights:
+            for (k, _), w in zip(projections, ws):
+                F.linear(xs[k], w)
+        return time.perf_counter() - t0
+
+    times: dict[int, list[float]] = {m: [] for m in grid}
+    run(grid[0])  # warm-up
+    for _ in range(3 if quick else 5):  # interleaved rounds: a noisy moment hits every row count alike
+        for m in grid:
+            times[m].append(run(m))
     curve = []
-    for m in (_ROWS[::2] + (_ROWS[-1],) if quick else _ROWS):
-        xs = {k: torch.randn(m, k, dtype=dt) for k in {p[0] for p in projections}}
-
-        def run() -> None:
-            for ws in weights:
-                for (k, _), w in zip(projections, ws):
-                    F.linear(xs[k], w)
-
-        t = _median_time(run, 2 if quick else 3, min_s=0.05)
+    for m in grid:
+        t = statistics.median(times[m])
         t = _positive(t - dispatch * len(projections) * nl, t * 0.1)
-        rate = m * flops_layer * nl / t
-        curve.append([m, rate])
-        log(f"GEMM rows={m}: {rate / 1e9:.1f} GFLOP/s")
+        curve.append([m, m * flops_layer * nl / t])
+    _monotone(curve)
+    log("GEMM " + ", ".join(f"rows={m}: {r / 1e9:.1f}" for m, r in curve) + " GFLOP/s")
     return curve
+
+
+def _monotone(curve: list[list[float]]) -> None:
+    """A rate never falls with more rows (more rows of the same GEMM never cost more per FLOP): a dip is noise."""
+    for j in range(1, len(curve)):
+        curve[j][1] = max(curve[j][1], curve[j - 1][1])
 
 
 def _attention(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, log: Callable[..., None]) -> list[list[float]]:
@@ -112,29 +133,88 @@ def _attention(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, log: Call
     t = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True), reps)
     curve.append([1, 4 * H * d * keys / _positive(t - call, t * 0.1)])
     for n in (_ATT_ROWS[1::2] if quick else _ATT_ROWS):
-        q = torch.randn(1, H, n, d, dtype=dt)
-        k = torch.randn(1, Hkv, n, d, dtype=dt)
+        # Strided as the runner passes them: token-major [n, heads, d] viewed as [1, heads, n, d].
+        q = torch.randn(n, H, d, dtype=dt).transpose(0, 1).unsqueeze(0)
+        k = torch.randn(n, Hkv, d, dtype=dt).transpose(0, 1).unsqueeze(0)
         t = _median_time(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), reps)
         curve.append([n, 4 * H * d * (n * (n + 1) // 2) / _positive(t - call, t * 0.1)])
+    _monotone(curve)
     log("attention " + ", ".join(f"rows={m}: {r / 1e9:.1f} GFLOP/s" for m, r in curve))
     return curve
 
 
-def _elementwise(s: ModelShape, dt: torch.dtype, reps: int, op_s: float) -> float:
-    rows, i, h = 256, s.intermediate_size, s.hidden_size
-    a, b, c = (torch.randn(rows, i, dtype=dt) for _ in range(3))
-    x = torch.randn(rows, h, dtype=dt)
-    size = s.itemsize
+def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: float,
+                 log: Callable[..., None]) -> list[list[float]]:
+    """The elementwise ops of one eager decoder layer (RMSNorms, RoPE on q and k, SiLU * up, residual adds) at 1 .. 512
+    rows, with the L2 cache flushed before each run (in a forward, the layer's weights stream through it in between);
+    returns, per rows, the bytes the cost model counts for them (`elementwise_elems`) per second of their real time."""
+    from .cost import elementwise_elems
+
+    h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
+    half = d // 2
+    junk = torch.ones((16 << 20) // 4)
+    ops = 5 * s.norms_per_layer + (10 if s.qk_norm else 0) + 14
+    curve = []
+    for rows in ((1, 64, 512) if quick else (1, 16, 64, 256, 512)):
+        x = torch.randn(rows, h, dtype=dt)
+        w = torch.ones(h, dtype=dt)
+        q, k = torch.randn(rows, H, d, dtype=dt), torch.randn(rows, Hkv, d, dtype=dt)
+        cos, sin = torch.randn(rows, 1, d, dtype=dt), torch.randn(rows, 1, d, dtype=dt)
+        wd = torch.ones(d, dtype=dt)
+        g, u = torch.randn(rows, i, dtype=dt), torch.randn(rows, i, dtype=dt)
+
+        def norm(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+        def rope(t: torch.Tensor) -> torch.Tensor:
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+        def layer() -> None:
+            for _ in range(s.norms_per_layer):
+                norm(x, w)
+            if s.qk_norm:
+                norm(q, wd), norm(k, wd)
+            rope(q), rope(k)
+            F.silu(g) * u
+            x + x, x + x
+
+        times = []
+        for _ in range(reps + 1):
+            junk.mul_(1.0)  # evict the L2 cache, as the weights of a layer do
+            t0 = time.perf_counter()
+            layer()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[1:])
+        curve.append([rows, s.itemsize * rows * elementwise_elems(s) / _positive(t - ops * op_s, t * 0.05)])
+    log("elementwise " + ", ".join(f"rows={m}: {r / 1e9:.1f} GB/s" for m, r in curve))
+    return curve
+
+
+def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float:
+    """The CPU runner's batched decode attention (rows whose keys span several pages): its page gather
+    (`cbnb.runner.attention._gather_pages`) and masked attention, 16 rows over 512 keys in pages of 16; returns the
+    bytes the cost model counts for it per second."""
+    from ..runner.attention import _gather_pages
+    from .cost import gathered_decode_bytes
+
+    rows, keys, page, H, Hkv, d = 16, 512, 16, s.num_heads, s.num_kv_heads, s.head_dim
+    width = keys // page
+    n_blocks = rows * width + 8
+    k_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
+    v_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
+    table = torch.randperm(n_blocks)[: rows * width].view(rows, width)
+    q = torch.randn(rows, H, d, dtype=dt)
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
 
     def run() -> None:
-        torch.mul(a, b, out=c)  # 3 * rows * i touched
-        torch.add(c, a, out=b)  # 3 * rows * i
-        x.pow(2).mean(-1)  # 3 * rows * h
-        torch.mul(x, x)  # 3 * rows * h
+        kd = _gather_pages(k_pages, table, keys).transpose(1, 2)
+        vd = _gather_pages(v_pages, table, keys).transpose(1, 2)
+        F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
 
-    touched = size * rows * (6 * i + 6 * h)
     t = _median_time(run, reps)
-    return touched / _positive(t - 5 * op_s, t * 0.1)
+    rate = gathered_decode_bytes(s, [keys] * rows, page) / t
+    log(f"gathered decode attention {rate / 1e9:.1f} GB/s (counted bytes)")
+    return rate
 
 
 def _tiny_model(s: ModelShape, layers: int) -> Any:

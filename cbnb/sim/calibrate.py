@@ -7,8 +7,10 @@ What is measured (medians of repeated timings; nothing here looks at the validat
 2. **GEMM FLOP/s by rows**: the shape's seven decoder projections at 1 .. 512 rows, cycling through as many distinct
    layers' weights as fit in 512 MiB so that weights stream from memory as in a forward, minus one dispatch per call;
 3. **attention FLOP/s by query rows**: `scaled_dot_product_attention` at the shape's heads, causal chunks of 16 .. 512
-   rows and single decode rows over 512 keys, minus one call's dispatch;
-4. **elementwise bandwidth**: multiply/add/reduce over ``[256, intermediate]`` rows (the norms, RoPE, activation);
+   rows and single decode rows over 512 keys, minus one call's dispatch; and the CPU runner's batched decode path
+   (its page gather and masked attention) as a bandwidth over the bytes the cost model counts for it;
+4. **elementwise rate by rows**: one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1 .. 512 rows,
+   the L2 cache flushed before each run as a layer's weights flush it in a forward;
 5. **fixed costs**: `cbnb.Engine` (its runner, paged attention, sampler, core and telemetry) serving two tiny random
    models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1, 8 and 16
    decode rows: the per-step overhead, per decoder layer, per attention call and per request, by least squares;
@@ -88,7 +90,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         step_overhead_s=figures["step_s"], step_overhead_graph_s=figures["step_s"],
         kernel_launch_s=figures["op_s"], layer_overhead_s=figures["layer_s"], attention_call_s=figures["call_s"],
         request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
-        attention_flops={s.dtype: figures["attention"]}, elementwise_bandwidth=figures["elementwise"],
+        attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
+        gather_bandwidth=figures.get("gather"),
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
                f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"

@@ -28,14 +28,18 @@ Operator groups, per decoder layer:
   ``i`` = ``min(s + i + 1, w)``; FLOPs ``4 H d sum_i keys_i`` (QK^T and PV); the CPU runner computes the full
   ``n x keys`` rectangle when it passes a mask (a chunk with a past, or a fresh chunk longer than the window); bytes:
   the request's real KV, ``min(s + n, w) * 2 Hkv d a`` (paged: no whole-cache mask), plus Q/O ``2 n H d a`` and the
-  KV write ``n 2 Hkv d a``; the CPU runner also copies gathered pages (read + write). Calls: CPU runner, one per
-  prefill chunk, one per decode row whose keys fit one page, one batched call for the other decode rows; CUDA runner,
-  a KV-store kernel, a prefill kernel and a decode + reduce kernel pair per layer.
+  KV write ``n 2 Hkv d a``; the CPU runner also copies gathered pages (read + write), and its batched decode call
+  (the decode rows whose keys span several pages, padded to the widest) runs at the measured `gather_bandwidth`
+  when the profile has one. Calls: CPU runner, one per prefill chunk, one per decode row whose keys fit one page, one
+  batched call for the other decode rows; CUDA runner, a KV-store kernel, a prefill kernel and a decode + reduce
+  kernel pair per layer.
 - **elementwise** (RMSNorms, RoPE, residual adds, activation): bytes ``a T ((7 norms + 6) h + (11 + 7 qk_norm)(H +
-  Hkv) d + 5 I)``, the reads and writes of transformers' eager decoder layer; rate: the elementwise bandwidth.
+  Hkv) d + 5 I)``, the reads and writes of transformers' eager decoder layer; rate: the elementwise bandwidth (on a
+  CPU, `calibrate()` times these very ops, so transcendental ones such as SiLU and rsqrt count at their real cost).
 
 Once per step: **lm_head** ``2 S h V`` FLOPs over ``a h V`` weight bytes (only sampled rows, `logits_to_keep`);
-**sample** ``8 S V`` bytes (fp32 logits read by the sampler); **swap** ``bytes / host_device_bandwidth``.
+**sample** ``12 S V`` bytes (greedy: the fp32 logits rows gathered, read + written, then read by argmax); **swap**
+``bytes / host_device_bandwidth``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from typing import Any, Iterable
 from .profiles import HardwareProfile
 from .shapes import ModelShape
 
-__all__ = ["RowLoad", "StepLoad", "StepCost", "CostModel", "sum_keys", "pad_to_interval", "next_pow2"]
+__all__ = ["RowLoad", "StepLoad", "StepCost", "CostModel", "sum_keys", "elementwise_elems", "gathered_decode_bytes",
+           "pad_to_interval", "next_pow2"]
 
 _EXTRA_KERNELS = 8  # embedding, final norm, LM head, logits gather, sampling, copies (eager, per step)
 
@@ -126,6 +131,21 @@ class StepCost:
         return self.total_s - self.host_s
 
 
+def elementwise_elems(shape: ModelShape) -> int:
+    """Elements read + written per token per decoder layer by the elementwise ops (see the module docstring)."""
+    h, d, H, Hkv, i = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads, shape.intermediate_size
+    return (7 * shape.norms_per_layer + 6) * h + (11 + (7 if shape.qk_norm else 0)) * (H + Hkv) * d + 5 * i
+
+
+def gathered_decode_bytes(shape: ModelShape, kv_lens: list[int], page: int) -> int:
+    """Bytes of the CPU runner's batched decode call for rows with these KV lengths (one layer): each row's K/V, query,
+    output and new K/V, plus the gathered copy of every row's pages, padded to the widest row (read + write)."""
+    kvb = 2 * shape.num_kv_heads * shape.head_dim * shape.itemsize
+    qo = 2 * shape.num_heads * shape.head_dim * shape.itemsize
+    width = max(-(-kv // page) for kv in kv_lens)
+    return sum(kv * kvb + qo + kvb for kv in kv_lens) + 2 * len(kv_lens) * width * page * kvb
+
+
 def sum_keys(start: int, n: int, window: int | None) -> int:
     """Sum over the chunk's queries (positions start .. start+n-1) of the keys each attends: min(p + 1, window)."""
     lo, hi = start + 1, start + n  # keys of the first and last query without a window
@@ -175,8 +195,7 @@ class CostModel:
         h, d, H, Hkv, i = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.intermediate_size
         self.layer_matmul_params = h * H * d + 2 * h * Hkv * d + H * d * h + 3 * h * i
         self.linear_act_elems = 7 * h + (2 * H + 2 * Hkv) * d + 3 * i
-        self.elementwise_elems = ((7 * s.norms_per_layer + 6) * h + (11 + (7 if s.qk_norm else 0)) * (H + Hkv) * d
-                                  + 5 * i)
+        self.elementwise_elems = elementwise_elems(s)
         self.kv_token_bytes = 2 * Hkv * d * self.a  # K and V of one token in one layer
         types = s.layer_types or (("sliding_attention" if s.sliding_window else "full_attention"),) * s.num_layers
         self.groups: list[tuple[int, int | None]] = []  # (layers, window)
@@ -204,22 +223,20 @@ class CostModel:
         page = self.page
         t = flops = nbytes = 0.0
         calls = 0
-        multi_pages = 0  # CPU: widest gathered decode row (pages) and how many rows are gathered
-        multi_rows = 0
+        gathered: list[int] = []  # CPU: KV lengths of decode rows whose keys span several pages (one batched call)
+        g_flops = 0.0
         dec_flops = dec_bytes = 0.0
         has_prefill = False
         for r in rows:
             kv = r.start + r.tokens if window is None else min(r.start + r.tokens, window)
             row_bytes = kv * self.kv_token_bytes + r.tokens * (qo + self.kv_token_bytes)
             if r.tokens == 1 and r.start > 0:  # a decode row (one query over its past)
-                f = per_key * kv
-                pages = -(-kv // page)
-                if cpu and pages > 1:
-                    multi_rows += 1
-                    multi_pages = max(multi_pages, pages)
-                elif cpu:
-                    calls += 1
-                dec_flops += f
+                if cpu and -(-kv // page) > 1:
+                    gathered.append(kv)
+                    g_flops += per_key * kv
+                    continue
+                calls += 1 if cpu else 0
+                dec_flops += per_key * kv
                 dec_bytes += row_bytes
                 continue
             has_prefill = True
@@ -234,15 +251,19 @@ class CostModel:
             flops += f
             nbytes += row_bytes
             t += self._roofline(f, row_bytes, p.attention_rate(self.dtype, r.tokens))
-        if multi_rows:
-            calls += 1
-            dec_bytes += 2 * multi_rows * multi_pages * page * self.kv_token_bytes  # gathered copy: read + write
         if dec_flops or dec_bytes:
             t += self._roofline(dec_flops, dec_bytes, p.attention_rate(self.dtype, 1))
             flops += dec_flops
             nbytes += dec_bytes
+        if gathered:
+            calls += 1
+            b = gathered_decode_bytes(s, gathered, page)
+            t += b / p.gather_bandwidth if p.gather_bandwidth else self._roofline(g_flops, b, p.attention_rate(
+                self.dtype, 1))
+            flops += g_flops
+            nbytes += b
         if not cpu:
-            calls = 1 + (1 if has_prefill else 0) + (2 if dec_flops else 0)
+            calls = 1 + (1 if has_prefill else 0) + (2 if dec_flops or gathered else 0)
         return t, flops, nbytes, calls
 
     # ------------------------------------------------------------------------------------------ a step
@@ -264,7 +285,7 @@ class CostModel:
             flops += L * f
             nbytes += L * b
             b = a * T * self.elementwise_elems
-            parts["elementwise"] = L * b / p.elementwise_rate + a * T * 8 * s.hidden_size / p.elementwise_rate
+            parts["elementwise"] = (L * b + a * T * 8 * s.hidden_size) / p.elementwise_rate(self.dtype, T)
             nbytes += L * b
             att = 0.0
             for layers, window in self.groups:
@@ -277,9 +298,9 @@ class CostModel:
             f = 2.0 * S * s.hidden_size * s.vocab_size
             b = a * s.hidden_size * (s.vocab_size + S) + 4 * S * s.vocab_size
             parts["lm_head"] = self._roofline(f, b, p.gemm_rate(self.dtype, max(S, 1))) if S else 0.0
-            parts["sample"] = 8.0 * S * s.vocab_size / p.bandwidth
+            parts["sample"] = 12.0 * S * s.vocab_size / p.bandwidth
             flops += f if S else 0.0
-            nbytes += (b if S else 0) + 8.0 * S * s.vocab_size
+            nbytes += (b if S else 0) + 12.0 * S * s.vocab_size
         parts["swap"] = load.swap_bytes / p.host_device_bandwidth
         nbytes += load.swap_bytes
         compute = sum(parts.values())

@@ -74,8 +74,12 @@ class HardwareProfile:
         gemm_flops: measured GEMM FLOP/s by rows (tokens) per dtype: {dtype: [[rows, FLOP/s], ...]}; interpolated
             in log(rows), used instead of `peak_flops * flops_efficiency` when present.
         attention_flops: measured attention FLOP/s by query rows per dtype (same form), else the GEMM rate.
-        elementwise_bandwidth: measured bandwidth of the elementwise ops (norms, RoPE, activations; bytes/s), else
+        elementwise_bandwidth: effective bandwidth of the elementwise ops (norms, RoPE, activations; bytes/s), else
             the memory bandwidth.
+        elementwise_curve: measured elementwise bandwidth by rows per dtype (same form as `gemm_flops`; on a CPU the
+            rate falls once a step's activations outgrow the L2 cache); used instead of `elementwise_bandwidth`.
+        gather_bandwidth: effective rate (bytes the cost model counts per second) of the CPU runner's batched decode
+            attention, which gathers the pages of decode rows whose keys span several pages; None: the roofline.
         reserved_bytes: device memory the engine cannot use (CUDA context, allocator); subtracted before sizing.
         host_memory_bytes: host RAM available for the swap pool (None: unlimited).
         allow_tf32: float32 GEMMs use the "tf32" rate (PyTorch's default is off).
@@ -102,6 +106,8 @@ class HardwareProfile:
     gemm_flops: Mapping[str, list] | None = None
     attention_flops: Mapping[str, list] | None = None
     elementwise_bandwidth: float | None = None
+    elementwise_curve: Mapping[str, list] | None = None
+    gather_bandwidth: float | None = None
     reserved_bytes: int = 0
     host_memory_bytes: int | None = None
     allow_tf32: bool = False
@@ -120,9 +126,10 @@ class HardwareProfile:
         for f in ("step_overhead_s", "step_overhead_graph_s", "kernel_launch_s", "request_overhead_s",
                   "reserved_bytes"):
             _positive(f, getattr(self, f), zero_ok=True)
-        for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "host_memory_bytes"):
+        for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "gather_bandwidth",
+                  "host_memory_bytes"):
             if getattr(self, f) is not None:
-                _positive(f, getattr(self, f), zero_ok=f != "elementwise_bandwidth")
+                _positive(f, getattr(self, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth"))
         for f in ("flops_efficiency", "bandwidth_efficiency"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
@@ -135,7 +142,7 @@ class HardwareProfile:
             _positive(f"peak_flops[{k!r}]", v)
             peaks[key] = float(v)
         object.__setattr__(self, "peak_flops", peaks)
-        for f in ("gemm_flops", "attention_flops"):
+        for f in ("gemm_flops", "attention_flops", "elementwise_curve"):
             curves = getattr(self, f)
             if curves is None:
                 continue
@@ -143,7 +150,7 @@ class HardwareProfile:
             for k, pts in dict(curves).items():
                 rows = sorted((float(m), float(r)) for m, r in pts)
                 if not rows or any(m <= 0 or r <= 0 for m, r in rows):
-                    raise ValueError(f"HardwareProfile.{f}[{k!r}] must be non-empty [rows, FLOP/s] pairs, all > 0")
+                    raise ValueError(f"HardwareProfile.{f}[{k!r}] must be non-empty [rows, rate] pairs, all > 0")
                 clean[normalize_dtype(k)] = [list(p) for p in rows]
             object.__setattr__(self, f, clean)
         if self.memory_bytes <= self.reserved_bytes:
@@ -182,9 +189,10 @@ class HardwareProfile:
         """Effective memory bandwidth (bytes/s)."""
         return self.memory_bandwidth * self.bandwidth_efficiency
 
-    @property
-    def elementwise_rate(self) -> float:
-        return self.elementwise_bandwidth or self.bandwidth
+    def elementwise_rate(self, dtype: str, rows: int) -> float:
+        """Effective bandwidth (bytes/s) of the elementwise ops of a step with `rows` token rows."""
+        return self._curve(self.elementwise_curve, dtype, rows, scale=False) or self.elementwise_bandwidth or \
+            self.bandwidth
 
     @property
     def layer_launch_s(self) -> float:
@@ -200,16 +208,19 @@ class HardwareProfile:
         return int(self.memory_bytes - self.reserved_bytes - weight_bytes)
 
     @staticmethod
-    def _curve(curves: Mapping[str, list] | None, dtype: str, rows: int) -> float | None:
+    def _curve(curves: Mapping[str, list] | None, dtype: str, rows: int, scale: bool = True) -> float | None:
+        """Linear interpolation in log(rows); below the first point a FLOP rate scales with rows (the time of a
+        weight-bound GEMM does not shrink with fewer rows), a bandwidth is held; beyond the last point it is held."""
         if not curves:
             return None
         pts = curves.get(normalize_dtype(dtype))
         if not pts:
             return None
-        x = math.log(max(1.0, float(rows)))
+        r = max(1.0, float(rows))
+        x = math.log(r)
         xs = [math.log(p[0]) for p in pts]
         if x <= xs[0]:
-            return pts[0][1] * max(1.0, float(rows)) / pts[0][0] if rows < pts[0][0] else pts[0][1]
+            return pts[0][1] * r / pts[0][0] if scale else pts[0][1]
         if x >= xs[-1]:
             return pts[-1][1]
         for i in range(1, len(pts)):
