@@ -25,7 +25,8 @@ METHODS = {
 }
 
 
-def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..., None]) -> dict[str, Any]:
+def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..., None],
+            budget_s: float = 60.0) -> dict[str, Any]:
     reps = 3 if quick else 5
     a, b = np.ones(8, np.float32), np.ones(8, np.float32)
     op = _median_time(lambda: [np.add(a, b) for _ in range(2000)], reps) / 2000

@@ -34,7 +34,10 @@ METHODS = {
 }
 
 
-def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..., None]) -> dict[str, Any]:
+def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..., None],
+            budget_s: float = 60.0) -> dict[str, Any]:
+    """All measurements; the GEMM rounds (the longest part) stop early when they use up half of `budget_s`."""
+    deadline = time.perf_counter() + budget_s / 2
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -46,7 +49,7 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
         out["bandwidth"], out["swap_bandwidth"] = _bandwidth(s, quick, reps)
         log(f"bandwidth {out['bandwidth'] / 1e9:.1f} GB/s, swap {out['swap_bandwidth'] / 1e9:.1f} GB/s, "
             f"op {out['op_s'] * 1e6:.2f} us")
-        out["gemm"] = _gemm(s, dt, quick, log)
+        out["gemm"] = _gemm(s, dt, quick, log, deadline)
         out["attention"] = _attention(s, dt, quick, reps, log)
         out["elementwise"] = _elementwise(s, dt, quick, reps, out["op_s"], log)
         out["gather"] = _gathered_decode(s, dt, reps, log)
@@ -77,7 +80,8 @@ def _bandwidth(s: ModelShape, quick: bool, reps: int) -> tuple[float, float]:
     return bw, swap
 
 
-def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None]) -> list[list[float]]:
+def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None],
+          deadline: float = math.inf) -> list[list[float]]:
     h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
     projections = [(h, H * d), (h, Hkv * d), (h, Hkv * d), (H * d, h), (h, i), (h, i), (i, h)]
     layer_bytes = sum(k * n for k, n in projections) * s.itemsize
@@ -103,7 +107,9 @@ def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None])
 
     times: dict[int, list[float]] = {m: [] for m in grid}
     run(grid[0])  # warm-up
-    for _ in range(3 if quick else 5):  # interleaved rounds: a noisy moment hits every row count alike
+    for r in range(3 if quick else 5):  # interleaved rounds: a noisy moment hits every row count alike
+        if r >= 2 and time.perf_counter() > deadline:
+            break
         for m in grid:
             times[m].append(run(m))
     curve = []

@@ -59,7 +59,8 @@ def _available_memory() -> int:
 
 
 def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str = "cpu", threads: int | None = None,
-              save: bool | str = True, quick: bool = False, verbose: bool = False) -> HardwareProfile:
+              save: bool | str = True, quick: bool = False, budget_s: float = 60.0,
+              verbose: bool = False) -> HardwareProfile:
     """Measure this CPU as a `HardwareProfile` (see the module docstring for what and how).
 
     Args:
@@ -69,6 +70,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         threads: torch intra-op threads while measuring (default: torch's current setting, as the engine runs).
         save: True: save to `profile_cache_dir()/<name>.json`; a path: save there; False: do not save.
         quick: fewer repetitions and rows (for tests; a few seconds, less precise).
+        budget_s: time budget (seconds); the GEMM rounds stop early past half of it. For smollm2-135m it took 27 s
+            on the 2-core development machine (1 thread, while other jobs loaded it).
         verbose: print each measurement.
 
     Returns:
@@ -81,7 +84,7 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         from . import _calibrate_torch as impl
     except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
         from . import _calibrate_numpy as impl  # type: ignore[no-redef]
-    figures = impl.measure(s, threads=threads, quick=quick, log=log)
+    figures = impl.measure(s, threads=threads, quick=quick, log=log, budget_s=budget_s)
     mem = _available_memory()
     profile = HardwareProfile(
         name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
