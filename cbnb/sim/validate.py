@@ -7,13 +7,16 @@ runs `SimEngine` with the same config and the ``cpu`` profile, and prints per wo
 identical, the median and p90 absolute per-step error and the wall-time error. The profile comes from
 `cbnb.sim.calibrate()` only (run fresh unless ``--profile`` names a saved one); nothing is fitted to these runs.
 
-Targets (the design's): median absolute per-step error <= 15 %, wall-time error <= 10 %.
+Targets (the design's): median absolute per-step error <= 15 %, wall-time error <= 10 %. The figures are only as
+good as the machine is quiet: the table prints the load average before and after; on a busy 2-core machine,
+``--threads 1`` avoids the stalls that 2 OpenMP threads suffer when another process holds a core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -149,12 +152,17 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         profile = calibrate(MODEL, save=False, verbose=True)
         print(f"calibrated in {time.perf_counter() - t:.0f} s ({profile.notes})")
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = [validate_workload(w, profile, model=model, tokenizer=tok, scale=args.scale) for w in names]
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(_table(rows))
+    print(f"threads {torch.get_num_threads()}, load average {load0:.1f} before, {load1:.1f} after "
+          f"({os.cpu_count()} CPUs)")
     print("targets: median |step error| <= 15 %, |wall error| <= 10 %")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"profile": profile.to_dict(), "results": rows}, f, indent=1)
+            json.dump({"profile": profile.to_dict(), "results": rows, "load_average": [load0, load1],
+                       "threads": torch.get_num_threads()}, f, indent=1)
     return 0
 
 
