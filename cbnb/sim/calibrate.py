@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from typing import Any, Callable
 
 from .profiles import HardwareProfile
@@ -85,6 +86,9 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
     except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
         from . import _calibrate_numpy as impl  # type: ignore[no-redef]
     figures = impl.measure(s, threads=threads, quick=quick, log=log, budget_s=budget_s)
+    if figures.get("noisy"):
+        warnings.warn("calibrate(): step times fell with more layers or more rows; the machine was too busy for "
+                      "reliable figures (retry when it is idle, or with threads=1)", RuntimeWarning, stacklevel=2)
     mem = _available_memory()
     profile = HardwareProfile(
         name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
@@ -98,7 +102,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
                f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
-               + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")),
+               + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")
+               + ("; NOISY: step times fell with more layers or rows (machine busy)" if figures.get("noisy") else "")),
     )
     if save:
         path = profile.save(None if save is True else save)
