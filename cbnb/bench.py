@@ -102,8 +102,11 @@ def _config_from(hints: dict[str, Any], args: argparse.Namespace):
 
 
 def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_kwargs: dict | None = None,
-             on_engine: Callable[[Any], Any] | None = None) -> PeerResult:
-    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up)."""
+             on_engine: Callable[[Any], Any] | None = None, timeout_s: float | None = None) -> PeerResult:
+    """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up).
+
+    With `timeout_s`, requests unfinished that many seconds after the submission are cancelled and the result is
+    partial: the tokens produced until then, over that time, with `error` saying so."""
     import torch
 
     from .engine import Engine
@@ -119,10 +122,10 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
             t0 = time.perf_counter()
             handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True)
                        for p, n in zip(workload.prompts, workload.max_new_tokens)]
-            outs = [h.result() for h in handles]
+            outs, cut_at = _results_until(handles, t0, timeout_s)
             if device == "cuda":
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt = cut_at if cut_at is not None else time.perf_counter() - t0
         extra: dict[str, Any] = {"config": eng.config.to_dict()}
         if hasattr(eng, "stats"):
             with contextlib.suppress(Exception):
@@ -131,12 +134,31 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
         attach.close()
     bad = [o for o in outs if o.state.name != "FINISHED"]
     err = f"{len(bad)} requests not FINISHED: {bad[0].error}" if bad else None
+    if cut_at is not None:
+        err = f"timed out after {timeout_s:.0f} s: {len(outs) - len(bad)} of {len(outs)} requests finished"
     return PeerResult(name, dt, sum(len(o.token_ids) for o in outs), mem.peak, [o.token_ids for o in outs],
                       extra, err)
 
 
-def run_hf_cb(model, workload, config) -> PeerResult:
-    """transformers' continuous batching with the same config values."""
+def _results_until(handles: list[Any], t0: float, timeout_s: float | None) -> tuple[list[Any], float | None]:
+    """Every handle's output; past `timeout_s` after `t0` the unfinished ones are cancelled (their outputs keep the
+    tokens produced so far). Returns (outputs, seconds until the timeout, or None when all finished in time)."""
+    if timeout_s is None:
+        return [h.result() for h in handles], None
+    for h in handles:
+        try:
+            h.result(timeout=max(0.0, t0 + timeout_s - time.perf_counter()))
+        except TimeoutError:
+            dt = time.perf_counter() - t0
+            for other in handles:
+                other.cancel()
+            return [other.result(timeout=60) for other in handles], dt
+    return [h.result() for h in handles], None
+
+
+def run_hf_cb(model, workload, config, *, timeout_s: float | None = None) -> PeerResult:
+    """transformers' continuous batching with the same config values. With `timeout_s`, results are collected for
+    that many seconds at most: a partial result counts the requests finished by then, with `error` saying so."""
     import torch
     from transformers import GenerationConfig
 
@@ -152,7 +174,7 @@ def run_hf_cb(model, workload, config) -> PeerResult:
             t0 = time.perf_counter()
             ids = [manager.add_request(p, max_new_tokens=n, request_id=f"b{i}")
                    for i, (p, n) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
-            results = _collect(manager, set(ids))
+            results = _collect(manager, set(ids), timeout=3600.0 if timeout_s is None else timeout_s)
             if device == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -164,6 +186,8 @@ def run_hf_cb(model, workload, config) -> PeerResult:
     err = None
     if errors or missing:
         err = f"{len(errors)} failed, {len(missing)} missing" + (f": {errors[0]}" if errors else "")
+        if missing and timeout_s is not None and dt >= timeout_s:
+            err = f"timed out after {timeout_s:.0f} s: {len(results)} of {len(ids)} requests finished"
     return PeerResult("hf-cb", dt, sum(len(t) for t in tokens), mem.peak, tokens, {}, err)
 
 

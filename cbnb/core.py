@@ -5,16 +5,19 @@ One step is ``work = core.schedule()`` → the runner copies `work.swap_outs` (d
 required: a restore may target device blocks a swap-out of the same step frees, and the host blocks a restore reads
 are only freed at the next `schedule()`, so no swap-out of the same step overwrites them. With async batching the next
 ``schedule()`` may come before ``apply()`` of the step in flight: requests of an unapplied step (``pending_samples >
-0``) are never offloaded, and are not failed for lack of blocks until their step is applied. Everything that decides
+0``) are never offloaded, and are not ended for lack of blocks until their step is applied. Everything that decides
 (admission, chunking, prefix hits, offloading, finishing, failing) happens here, so it can be driven by a fake runner
-in tests. The threaded `cbnb.Engine` wraps this with a `ModelRunner`.
+in tests, by the simulator's cost model, or by the threaded `cbnb.Engine` with a model runner. The data it hands the
+runner (`StepWork`, `BatchPlan`) lives in `cbnb.plan`.
 
 Fault rules (where transformers would crash or lose work):
 
 - a prompt that needs more blocks than the whole cache holds is FAILED at submission, with the numbers;
-- an active request that outgrows the cache while it is the only one left (no victim to offload) is FAILED with its
-  partial output; the engine goes on (a lone request that still fits an empty cache, stalled only by sector
-  fragmentation between layer groups, is swapped out or soft-reset and re-admitted instead);
+- a request whose prompt + `max_new_tokens` can never fit the cache is admitted with a warning
+  (`Request.warning`); if it grows to the whole cache while it is the only request left (no victim to offload), it
+  ends FINISHED with finish reason "cache_exhausted", keeping the tokens generated so far, and the engine goes on (a
+  lone request that still fits an empty cache, stalled only by fragmentation between layer groups, is swapped out or
+  soft-reset and re-admitted instead);
 - `fail_batch` fails just the requests of a step whose forward raised;
 - cancelling frees blocks at once, in any state, including while swapped out.
 """
@@ -22,45 +25,18 @@ Fault rules (where transformers would crash or lose work):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from .cache.manager import CacheManager, SwapOut
+from .cache.manager import CacheManager
 from .config import ContinuousBatchingConfig
 from .offload import SOFT_RESET, SWAP, OffloadDecision, choose_defragment, choose_victims
-from .requests import Request, RequestState
-from .scheduler import BatchPlan, make_scheduler
+from .plan import StepWork
+from .requests import CACHE_EXHAUSTED, Request, RequestState
+from .scheduler import make_scheduler
 
 __all__ = ["EngineCore", "StepWork"]
 
 _FINISHED = RequestState.FINISHED  # states >= FINISHED are terminal
-
-
-@dataclass
-class StepWork:
-    """Everything the runner must do for one step, plus what was decided on the way.
-
-    Attributes:
-        step_id: monotonically increasing step number.
-        plan: the scheduler's `BatchPlan` (the batch to run; may be empty).
-        offloads: offload decisions applied before this step.
-        swap_outs: (request, pairs) to copy device -> host *before* anything else.
-        restores: (request, per-group (host, device) pairs) to copy host -> device before the forward.
-        failed: requests failed while scheduling (e.g. outgrew the cache).
-        schedule_s: seconds spent scheduling (including offload decisions).
-    """
-
-    step_id: int
-    plan: BatchPlan
-    offloads: list[OffloadDecision] = field(default_factory=list)
-    swap_outs: list[tuple[Request, SwapOut]] = field(default_factory=list)
-    restores: list[tuple[Request, list[list[tuple[int, int]]]]] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    schedule_s: float = 0.0
-
-    @property
-    def empty(self) -> bool:
-        return self.plan.empty
 
 
 class EngineCore:
@@ -89,7 +65,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------------------ requests
     def add(self, req: Request, *, resume: bool = False) -> bool:
-        """Queue a request. Returns False (and FAILS the request) when it can never fit the cache.
+        """Queue a request. Returns False when it ended at once: FAILED (its prompt can never fit the cache) or, for
+        a resumed request, FINISHED "cache_exhausted" (its tokens so far no longer fit).
+
+        A request whose prompt + `max_new_tokens` can never fit the cache (or whose `max_new_tokens` is unbounded)
+        is queued with `req.warning` saying so; it may end "cache_exhausted" (see the module docstring).
 
         Args:
             resume: the request was carried over from another core (`Engine.reconfigure`): it may already have
@@ -105,18 +85,40 @@ class EngineCore:
         elif req.state != RequestState.PENDING or req.num_computed or req.output_ids or req.swapped:
             raise ValueError(f"request {req.request_id!r} is not a fresh request ({req.state.name}, "
                              f"{len(req.output_ids)} tokens generated); submit a new Request")
-        if not self.cache.fits_empty(req.num_tokens):
-            self.requests[req.request_id] = req
-            self._fail(req, self._too_big(req, "request" if resume else "prompt"))
-            return False
         self.requests[req.request_id] = req
+        if not self.cache.fits_empty(req.num_tokens):
+            self._exhaust(req)
+            return False
         self.scheduler.add_waiting(req)
+        limit = req.max_new_tokens
+        if req.warning is None and (limit is None or not self.cache.fits_empty(len(req.prompt_ids) + limit)):
+            req.warning = self._exceeds(req)
         return True
 
-    def _too_big(self, req: Request, what: str) -> str:
-        return (f"{what} of {req.num_tokens} tokens does not fit the KV cache, which holds at most "
-                f"{self.cache.max_request_tokens()} tokens for one request "
-                f"({self.cache.num_sectors} sectors, page_size {self.cache.page_size})")
+    def _capacity(self) -> str:
+        c = self.cache
+        return (f"the KV cache holds at most {c.max_request_tokens()} tokens for one request "
+                f"(num_blocks={c.layout.whole_model_blocks(c.num_sectors)}, page_size={c.page_size})")
+
+    def _exceeds(self, req: Request) -> str:
+        n, limit = len(req.prompt_ids), req.max_new_tokens
+        c = self.cache
+        cap = c.max_request_tokens()
+        asked = "an unbounded max_new_tokens" if limit is None else f"max_new_tokens={limit} = {n + limit} tokens"
+        return (f"exceeds the KV cache: {n} prompt tokens + {asked}, but it holds at most {cap} tokens for one "
+                f"request (num_blocks={c.layout.whole_model_blocks(c.num_sectors)}, page_size={c.page_size}); the "
+                f"request ends with finish reason '{CACHE_EXHAUSTED}' after at most {cap - n + 1} new tokens")
+
+    def _exhaust(self, req: Request) -> None:
+        """End a request that outgrew the whole cache: FAILED when even its prompt does not fit, else FINISHED
+        "cache_exhausted" with the tokens generated so far."""
+        if not self.cache.fits_empty(len(req.prompt_ids)):
+            self._fail(req, f"prompt of {len(req.prompt_ids)} tokens does not fit: {self._capacity()}")
+            return
+        if req.warning is None:
+            req.warning = self._exceeds(req)
+        req.finish_reason = CACHE_EXHAUSTED
+        self._end(req, RequestState.FINISHED)
 
     def cancel(self, request_id: str) -> Request | None:
         """Cancel a request in any non-terminal state; its blocks (device and host) are freed at once.
@@ -183,18 +185,18 @@ class EngineCore:
                 # Nothing ran: schedule again now that blocks are free (transformers does the same).
                 work.plan = plan = self.scheduler.schedule(self.step_id)
             if plan.empty and not decisions and not any(r.pending_samples for r in active):
-                # No victim: the stalled request is alone and has outgrown the cache. (With async batching, nothing
+                # No victim: the stalled request is alone and has exhausted the cache. (With async batching, nothing
                 # is judged while a step is in flight: its apply() may finish requests and free blocks.)
                 for s in plan.stalled:
                     req = self.requests.get(s.request_id)
                     if req is not None and not req.is_terminal:
-                        self._fail(req, self._too_big(req, "request"))
+                        self._exhaust(req)
                         work.failed.append(req)
         if plan.empty and not plan.stalled and not self.scheduler.active and self.scheduler.waiting:
             # Nothing active and nothing admitted: a waiting request that cannot fit an empty cache.
             for req in list(self.scheduler.waiting.values()):
                 if not self.cache.fits_empty(req.num_tokens):
-                    self._fail(req, self._too_big(req, "request"))
+                    self._exhaust(req)
                     work.failed.append(req)
         for s in plan.scheduled:
             if s.allocation is not None and s.allocation.restored is not None:
@@ -265,3 +267,22 @@ class EngineCore:
             if not r.is_terminal:
                 self._fail(r, error)
         return reqs
+
+    def take_unfinished(self) -> list[Request]:
+        """Release every unfinished request and hand them over, in arrival order, ready for another core's
+        ``add(req, resume=True)`` (`Engine.reconfigure`): PENDING, nothing computed, tokens so far kept.
+
+        This core is left empty.
+        """
+        carry = sorted(self.requests.values(), key=lambda r: r.arrival)
+        for req in carry:
+            self.cache.release(req)
+            self.cache.forget(req)
+            self.scheduler.remove(req.request_id)
+            if req.state != RequestState.PENDING:
+                req.transition(RequestState.PENDING)
+            req.num_computed = 0
+            req.pending_samples = 0
+            req.swapped = False
+        self.requests.clear()
+        return carry

@@ -21,8 +21,8 @@ from typing import Any, Callable, ClassVar, Iterable, TextIO
 
 __all__ = [
     "Event", "StepPlanned", "BlocksAllocated", "BlocksFreed", "BlocksShared", "BlocksDemoted", "BlocksDeduplicated",
-    "PrefixHit", "Offload", "Restore", "CudaGraph", "StateChange", "StepTiming", "RequestAdded", "RequestDone",
-    "EventLog", "EVENT_TYPES",
+    "PrefixHit", "Offload", "Restore", "CudaGraph", "StateChange", "StepTiming", "RequestAdded", "RequestWarning",
+    "RequestDone", "EventLog", "EVENT_TYPES",
 ]
 
 
@@ -149,11 +149,13 @@ class Restore(Event):
 
 @dataclass
 class CudaGraph(Event):
-    """A CUDA graph captured or replayed for a padded shape `key` (query tokens, kv tokens, ...)."""
+    """A CUDA graph captured, replayed, or whose capture failed, for a padded shape `key` (IO pair, kind, query tokens,
+    KV tokens). A failed capture carries the original `error`; that shape then runs eagerly."""
 
     kind: ClassVar[str] = "cuda_graph"
-    action: str = ""  # "capture" | "replay"
+    action: str = ""  # "capture" | "replay" | "capture_failed"
     key: tuple = ()
+    error: str = ""
 
 
 @dataclass
@@ -194,6 +196,17 @@ class RequestAdded(Event):
 
 
 @dataclass
+class RequestWarning(Event):
+    """A request was admitted although it can never finish as asked: `code` "exceeds_cache" (its prompt +
+    max_new_tokens is more than the KV cache holds for one request; it may end "cache_exhausted")."""
+
+    kind: ClassVar[str] = "request_warning"
+    request_id: str = ""
+    code: str = ""
+    message: str = ""
+
+
+@dataclass
 class RequestDone(Event):
     """A request reached a terminal state, with its figures (seconds; None when not reached)."""
 
@@ -202,6 +215,7 @@ class RequestDone(Event):
     state: str = ""
     output_tokens: int = 0
     error: str | None = None
+    finish_reason: str | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
     queue_s: float | None = None
@@ -213,7 +227,7 @@ class RequestDone(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepPlanned, BlocksAllocated, BlocksFreed, BlocksShared, BlocksDemoted,
                               BlocksDeduplicated, PrefixHit, Offload, Restore, CudaGraph, StateChange, StepTiming,
-                              RequestAdded, RequestDone)
+                              RequestAdded, RequestWarning, RequestDone)
 }
 
 

@@ -199,7 +199,7 @@ def choose_defragment(
         request=req,
         path=path,
         reason=(f"defragment: {req.request_id} needs {sum(s.blocks_needed)} blocks for {s.tokens} tokens, which fit "
-                f"an empty cache but not the sectors left free around its own blocks"),
+                f"an empty cache but not the space its layer groups' blocks leave free around its own"),
         blocks_freed=sum(cache.exclusive_blocks(req)),
         tokens_to_recompute=0 if path == SWAP else req.num_computed,
     )]

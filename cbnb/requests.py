@@ -7,6 +7,8 @@ Lifecycle (as in transformers, plus CANCELLED)::
        │        (whole remaining prompt fits in one step)
        ▼            ▼              ▼
     FAILED / CANCELLED from any non-terminal state;  PREFILLING/DECODING ──▶ PENDING on offload (swap or soft reset)
+    FINISHED also from PENDING / PREFILLING, only with finish reason "cache_exhausted" (a re-queued or recomputing
+    request whose tokens outgrew the whole cache)
 
 Transitions happen at scheduling time, as in transformers: a request whose remaining prompt fits in this step's
 token budget goes straight to DECODING before its prefill forward runs; a prompt split across steps is PREFILLING
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 __all__ = [
+    "CACHE_EXHAUSTED",
+    "FINISH_REASONS",
     "RequestState",
     "IllegalTransition",
     "SamplingParams",
@@ -54,10 +58,15 @@ class RequestState(enum.IntEnum):
         return self >= RequestState.FINISHED
 
 
+#: Finish reasons of a terminal request: FINISHED ends with "eos", "length" or "cache_exhausted" (it outgrew the
+#: whole KV cache, see `cbnb.core`); CANCELLED with "cancelled"; FAILED with "error".
+CACHE_EXHAUSTED = "cache_exhausted"
+FINISH_REASONS = ("eos", "length", CACHE_EXHAUSTED, "cancelled", "error")
+
 _S = RequestState
 ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    _S.PENDING: frozenset({_S.PREFILLING, _S.DECODING, _S.FAILED, _S.CANCELLED}),
-    _S.PREFILLING: frozenset({_S.PREFILLING, _S.DECODING, _S.PENDING, _S.FAILED, _S.CANCELLED}),
+    _S.PENDING: frozenset({_S.PREFILLING, _S.DECODING, _S.FINISHED, _S.FAILED, _S.CANCELLED}),
+    _S.PREFILLING: frozenset({_S.PREFILLING, _S.DECODING, _S.PENDING, _S.FINISHED, _S.FAILED, _S.CANCELLED}),
     _S.DECODING: frozenset({_S.DECODING, _S.FINISHED, _S.PENDING, _S.FAILED, _S.CANCELLED}),
     _S.FINISHED: frozenset(),
     _S.FAILED: frozenset(),
@@ -117,18 +126,31 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1] or None; got {p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        object.__setattr__(self, "eos_token_ids", self.normalize_eos(self.eos_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False; got {self.ignore_eos!r}")
+        object.__setattr__(self, "eos_token_ids", self.normalize_eos(self.eos_token_ids, "eos_token_ids"))
 
     @staticmethod
-    def normalize_eos(eos: int | Iterable[int] | None) -> frozenset[int]:
-        """An EOS spec (id, ids or None) as a set of non-negative ids."""
+    def normalize_eos(eos: int | Iterable[int] | None, name: str = "eos_token_id") -> frozenset[int]:
+        """An EOS spec (an id, a list/tuple/set of ids, or None) as a set of non-negative ids.
+
+        Raises:
+            ValueError: naming `name`, for anything else (text, floats, bools, nested lists).
+        """
         if eos is None:
             return frozenset()
-        try:
-            one = operator.index(eos)  # type: ignore[arg-type]
-        except TypeError:
-            return frozenset(int(i) for i in eos if int(i) >= 0)  # type: ignore[union-attr]
-        return frozenset([int(one)]) if one >= 0 else frozenset()
+        items = eos if isinstance(eos, (list, tuple, set, frozenset)) else [eos]
+        ids = []
+        for i in items:
+            try:
+                v = operator.index(i) if not isinstance(i, bool) else None
+            except TypeError:
+                v = None
+            if v is None:
+                raise ValueError(f"{name} must be a token id, a list of token ids or None; got {eos!r}")
+            if v >= 0:
+                ids.append(int(v))
+        return frozenset(ids)
 
 
 @dataclass
@@ -182,7 +204,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "text", "user_data",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
         "_phase_has_output",
     )
 
@@ -233,7 +255,8 @@ class Request:
         self.num_soft_resets = 0
         self.swapped = False
         self.error: str | None = None
-        self.finish_reason: str | None = None  # "eos", "length", "cancelled", "error"
+        self.finish_reason: str | None = None  # one of FINISH_REASONS
+        self.warning: str | None = None  # set at admission when the request can never fit the cache
         self.text: str = ""
         self.user_data: Any = None
 
@@ -334,6 +357,7 @@ class Request:
             state=self.state,
             error=self.error,
             finish_reason=self.finish_reason,
+            warning=self.warning,
             timings=RequestTimings(**vars(self.timings)),
             prefix_cached_tokens=self.prefix_cached_tokens,
             num_offloads=self.num_offloads,
@@ -358,8 +382,11 @@ class RequestOutput:
         token_ids: generated token ids (EOS included when produced).
         text: decoded `token_ids` (empty when the engine has no tokenizer).
         state: FINISHED, FAILED or CANCELLED for a final output; PENDING/PREFILLING/DECODING for a snapshot.
-        error: the reason, for FAILED.
-        finish_reason: "eos", "length", "cancelled" or "error".
+        error: the reason, for FAILED (and "engine stopped" for requests a `stop()` cancelled).
+        finish_reason: "eos", "length", "cache_exhausted" (it outgrew the whole KV cache; tokens so far kept),
+            "cancelled" or "error".
+        warning: set at admission when prompt + max_new_tokens can never fit the KV cache (the request may end
+            "cache_exhausted"); None otherwise.
         timings: queued / scheduled / first token / finished marks (perf_counter seconds) with ttft_s, e2e_s.
         prefix_cached_tokens: prompt tokens served from the prefix cache (over the request's life).
         num_offloads: times the request was swapped out to the host pool.
@@ -374,6 +401,7 @@ class RequestOutput:
     state: RequestState = RequestState.PENDING
     error: str | None = None
     finish_reason: str | None = None
+    warning: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     prefix_cached_tokens: int = 0
     num_offloads: int = 0

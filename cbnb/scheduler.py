@@ -1,6 +1,7 @@
 """Schedulers: which requests run in the next step, how many query tokens each, and why the others wait.
 
-Both schedulers follow transformers' `_process_candidates` (see ../shared/reference, section 4):
+Both schedulers follow transformers' `Scheduler._process_candidates` (transformers 5.24,
+`generation/continuous_batching/scheduler.py`):
 
 - **Candidates**: FIFO takes active DECODING requests, then active PREFILLING ones (split prefills), then waiting
   requests in arrival order (requests re-queued by an offload interleaved with fresh ones, offloaded first).
@@ -22,20 +23,19 @@ Both schedulers follow transformers' `_process_candidates` (see ../shared/refere
 - **Offload back-off**: after an offload, no waiting request is admitted until some request ends (transformers'
   `block_new_requests`), so a freed block is not taken by a newcomer and the victim does not ping-pong.
 
-The result is a `BatchPlan`: plain data that also names every request not taken, with the reason and the numbers
-that decided it. This module is torch-free.
+The result is a `BatchPlan` (`cbnb.plan`, re-exported here): plain data that also names every request not taken,
+with the reason and the numbers that decided it. This module is torch-free.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from .cache.manager import Allocation, CacheManager, Shortfall
 from .config import ContinuousBatchingConfig
+from .plan import BatchPlan, ScheduledRequest, SkippedRequests, SkipReason, StalledRequest
 from .requests import Request, RequestState
 
 __all__ = [
@@ -47,112 +47,6 @@ __all__ = [
 _PENDING = RequestState.PENDING
 _PREFILLING = RequestState.PREFILLING
 _DECODING = RequestState.DECODING
-
-
-class SkipReason(str, enum.Enum):
-    """Why a candidate was not taken this step."""
-
-    TOKEN_BUDGET = "token_budget"
-    CACHE_BUDGET = "cache_budget"
-    REQUEST_CAP = "request_cap"
-    SAFETY_MARGIN = "safety_margin"
-    NO_FREE_BLOCKS = "no_free_blocks"
-    STALLED_AHEAD = "stalled_ahead"
-    OFFLOAD_BACKOFF = "offload_backoff"
-    FINISHING = "finishing"  # async only: its last token is in flight
-
-
-@dataclass
-class ScheduledRequest:
-    """One request in the step.
-
-    Attributes:
-        request: the request (its `num_computed` already advanced past this chunk).
-        start: first token position computed this step (the past length, in tokens).
-        num_tokens: query tokens this step.
-        phase: "decode" (one new token of a generating request) or "prefill" (a prompt chunk, or recomputation).
-        samples: whether this step samples a token for the request (its last pending token is in the chunk).
-        prefix_hit_tokens: tokens served from the prefix cache at this admission (0 otherwise).
-        allocation: blocks allocated for this step (None when the table already covered the chunk).
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    phase: str
-    samples: bool
-    prefix_hit_tokens: int = 0
-    allocation: Allocation | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
-class SkippedRequests:
-    """Requests not taken for one reason; `detail` holds the numbers that decided it (tokens, blocks, fractions)."""
-
-    reason: SkipReason
-    request_ids: list[str]
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StalledRequest:
-    """An active request that could not get the blocks for its next chunk."""
-
-    request_id: str
-    tokens: int
-    blocks_needed: list[int]
-    blocks_available: list[int]
-
-
-@dataclass
-class BatchPlan:
-    """The scheduler's decision for one step (plain data)."""
-
-    step_id: int
-    scheduler: str
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    skipped: list[SkippedRequests] = field(default_factory=list)
-    stalled: list[StalledRequest] = field(default_factory=list)
-    token_budget: int = 0
-    cache_budget: int = 0
-    cache_read_tokens: int = 0
-    request_cap: int = 0
-    free_fraction: float = 1.0
-    safety_margin: float = 0.0
-
-    @property
-    def below_margin(self) -> bool:
-        return self.free_fraction < self.safety_margin
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if s.phase == "prefill")
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if s.phase == "decode")
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-    def skip_reason(self, request_id: str) -> SkippedRequests | None:
-        for s in self.skipped:
-            if request_id in s.request_ids:
-                return s
-        return None
 
 
 class Scheduler:

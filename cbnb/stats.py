@@ -65,6 +65,7 @@ class RunStats:
         self.recomputed_tokens = 0
         self.graph_captures = 0
         self.graph_replays = 0
+        self.graph_capture_failures = 0
         self.token_fill = 0.0
         self.cache_fill = 0.0
         self.request_fill = 0.0
@@ -75,8 +76,9 @@ class RunStats:
         self.phase_s: Counter[str] = Counter()
 
     def on_step(self, plan: Any, offloads: list[Any], restores: int, timings: dict[str, float],
-                t_start: float, t_end: float, graph: tuple[int, int] = (0, 0)) -> None:
-        """Record one executed step (its plan, offload decisions, restores, phase timings and span)."""
+                t_start: float, t_end: float, graph: tuple[int, ...] = (0, 0)) -> None:
+        """Record one executed step (its plan, offload decisions, restores, phase timings and span); `graph` is the
+        step's (graph captures, replays[, failed captures])."""
         if self.first_step_t is None:
             self.first_step_t = t_start
         self.last_step_t = t_end
@@ -105,6 +107,8 @@ class RunStats:
             self.request_fill += len(plan.scheduled) / plan.request_cap if plan.request_cap else 0.0
         self.graph_captures += graph[0]
         self.graph_replays += graph[1]
+        if len(graph) > 2:
+            self.graph_capture_failures += graph[2]
 
     def on_kv(self, usage: dict[str, float]) -> None:
         """Record a KV usage sample (`kv_usage` output)."""
@@ -168,6 +172,7 @@ class RunStats:
             "recomputed_tokens": self.recomputed_tokens,
             "cuda_graph_captures": self.graph_captures,
             "cuda_graph_replays": self.graph_replays,
+            "cuda_graph_capture_failures": self.graph_capture_failures,
             "mean_token_budget_fill_frac": self.token_fill / ran,
             "mean_cache_budget_fill_frac": self.cache_fill / ran,
             "mean_request_cap_fill_frac": self.request_fill / ran,

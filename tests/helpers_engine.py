@@ -1,6 +1,8 @@
 """Shared helpers for the engine tests (`test_engine_oracle.py`, `test_engine_api.py`, `test_engine_faults.py`).
 
-- `tiny_model(name)`: one tiny random model per name for the whole session (float32, CPU, seed 0).
+- `tiny_model(name)`: one tiny random model per name for the whole session (float32, CPU, seed 0); the fixtures
+  `llama` (tiny:llama and its `Oracle`) and `one_torch_thread` (a module runs with one intra-op thread; use it as
+  ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``) import from here.
 - `Oracle`: greedy references from ``model.generate`` for one request alone, computed once and sliced for shorter
   lengths (greedy decoding of n tokens is a prefix of decoding m > n tokens: the forwards are the same).
 - `StepRecorder`: wraps ``engine.runner.execute`` to record what every step ran (request, chunk start, chunk size,
@@ -9,6 +11,8 @@
 - `paused(engine)`: holds the engine loop before its next drain of the inbox, so a group of submissions lands in
   the same loop turn (deterministic first batches, hence deterministic offloads).
 - `assert_no_blocks(engine, rid)`: the request holds no device or host block and is unknown to the core.
+- `async_engine(model, cfg)`: an engine whose runner is the CUDA runner on CPU (fake graphs, torch attention) with
+  async batching on, so the double-buffered loop runs without a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 
 import cbnb
@@ -150,18 +155,19 @@ def paused(engine: cbnb.Engine) -> Iterator[None]:
     Submissions made inside the block are therefore all applied in the same loop turn.
     """
     gate = threading.Event()
-    orig = engine._drain
+    loop = engine._loop
+    orig = loop.drain
 
     def gated_drain():
         gate.wait(TIMEOUT)
         return orig()
 
-    engine._drain = gated_drain  # type: ignore[method-assign]
+    loop.drain = gated_drain  # type: ignore[method-assign]
     engine.start()  # after patching, so that a fresh loop's very first drain is held too
     try:
         yield
     finally:
-        engine._drain = orig  # type: ignore[method-assign]
+        loop.drain = orig  # type: ignore[method-assign]
         gate.set()
 
 
@@ -200,8 +206,31 @@ def assert_cache_empty(engine: cbnb.Engine) -> None:
             assert not any(g.tables.values())
 
 
+def async_engine(model: torch.nn.Module, cfg: cbnb.ContinuousBatchingConfig, **runner_kw: Any) -> cbnb.Engine:
+    from cbnb.runner.cuda_runner import CudaModelRunner
+
+    engine = cbnb.Engine(model, config=cfg)
+    runner = CudaModelRunner(engine.model, engine.cache, engine.store, seed=engine.config.seed, attention="torch",
+                             **runner_kw)
+    runner.configure(engine.config, use_cuda_graph=True, use_async_batching=True)
+    assert runner.async_mode
+    engine.runner = runner
+    return engine
+
+
 def cbnb_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("cbnb")}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("tiny:llama"), oracle_for("tiny:llama")
 
 
 @contextlib.contextmanager

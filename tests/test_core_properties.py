@@ -240,7 +240,7 @@ class Sim:
     # ------------------------------------------------------------------------------------------ helpers
     def _on_terminal(self, req: Request) -> None:
         self.terminal[req.request_id] = req
-        if req.state == RequestState.FAILED:
+        if req.state == RequestState.FAILED or req.finish_reason == "cache_exhausted":
             self.fail_tokens[req.request_id] = req.num_tokens
 
     def value(self, req: Request, pos: int) -> tuple[int, int]:
@@ -537,6 +537,11 @@ class Sim:
             if req.state == RequestState.FINISHED:
                 if req.finish_reason == "eos":
                     assert req.output_ids[-1] == EOS and EOS not in req.output_ids[:-1]
+                elif req.finish_reason == "cache_exhausted":
+                    # only a request warned at admission, ended when its tokens no longer fit an empty cache
+                    assert req.warning is not None
+                    assert not cm.fits_empty(len(req.prompt_ids) + req.max_new_tokens)
+                    assert not cm.fits_empty(self.fail_tokens[rid]) and len(req.output_ids) < req.max_new_tokens
                 else:
                     assert req.finish_reason == "length"
                     assert len(req.output_ids) == req.max_new_tokens and EOS not in req.output_ids

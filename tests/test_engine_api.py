@@ -14,23 +14,15 @@ import cbnb
 from cbnb.models import _cache_ready, model_cache_dir
 from cbnb.requests import RequestState
 
-from helpers_engine import (
-    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, cbnb_threads, config, oracle_for, paused,
-    random_prompts, results, submit_together, tiny_model, torch_threads,
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, cbnb_threads, config, llama, one_torch_thread,
+    oracle_for, paused, random_prompts, results, submit_together, tiny_model,
 )
 
 LLAMA = "tiny:llama"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model(LLAMA), oracle_for(LLAMA)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -257,14 +249,14 @@ def test_stop_without_drain_cancels_unfinished(llama):
     StepRecorder(engine, before=lambda work: gate.wait(TIMEOUT))
     hs = submit_together(engine, STD_PROMPTS[:3], 50)
     posted = threading.Event()
-    post = engine._post
+    inbox = engine._loop.inbox
+    request_stop = inbox.request_stop
 
-    def spy(msg):  # tells when stop() has queued its message
-        post(msg)
-        if msg[0] == "stop":
-            posted.set()
+    def spy(*args, **kw):  # tells when stop() has asked the loop to stop
+        request_stop(*args, **kw)
+        posted.set()
 
-    engine._post = spy
+    inbox.request_stop = spy
     stopper = threading.Thread(target=engine.stop)  # stop() joins the loop, which is held in its first step
     stopper.start()
     assert posted.wait(TIMEOUT)
@@ -343,6 +335,37 @@ def test_explicit_num_blocks_honoured(name):
     engine = cbnb.Engine(tiny_model(name), config=config(page_size=16, num_blocks=37, max_batch_tokens=48))
     assert engine.config.num_blocks == 37
     assert engine.config.max_batch_tokens == 48
+
+
+@pytest.mark.parametrize("name, groups", [
+    ("tiny:llama", ["group 0 (full_attention, page 16 tokens): 64 blocks + 2 reserved padding"]),
+    ("tiny:gemma3", ["group 0 (sliding_attention, page 16 tokens): 86 blocks + 2 reserved padding",
+                     "group 1 (full_attention, page 16 tokens): 258 blocks + 6 reserved padding"])])
+def test_snapshot_labels_the_reserved_padding_blocks(name, groups):
+    engine = cbnb.Engine(tiny_model(name), config=config(page_size=16, num_blocks=64))
+    snap = engine.snapshot()
+    assert repr(snap) == f"KVSnapshot({'; '.join(groups)}; 0 requests)"
+    g = snap.groups[0]
+    assert g.reserved_blocks == 2 and g.counts()["reserved"] == 2 and set(g.padding_blocks) <= {0, 1, 2, 3}
+    assert g.usable_blocks + g.reserved_blocks == g.num_blocks
+    if name == "tiny:llama":
+        assert g.usable_blocks == engine.config.num_blocks == 64
+        gate, held = threading.Event(), threading.Event()
+
+        def before(work):  # hold its second step (its table: 48 slots, 3 blocks of 16) while we look
+            if any(len(s.request.output_ids) == 1 for s in work.plan.scheduled):
+                held.set()
+                gate.wait(TIMEOUT)
+
+        StepRecorder(engine, before=before)
+        with engine:
+            h = engine.submit(STD_PROMPTS[4], max_new_tokens=2, eos_token_id=-1)  # 47 tokens
+            assert held.wait(TIMEOUT)
+            used = engine.snapshot()
+            gate.set()
+            h.result(TIMEOUT)
+        assert repr(used).startswith("KVSnapshot(group 0 (full_attention, page 16 tokens): 64 blocks + 2 reserved "
+                                     "padding, 3 allocated")
 
 
 def test_reconfigure_between_runs(llama):

@@ -1,4 +1,4 @@
-"""Fault rules of the engine (design section 3): bad prompts, requests larger than the cache, cancellation at every
+"""Fault rules of the engine (where transformers crashes or loses work; `docs/architecture.md`): bad prompts, requests larger than the cache, cancellation at every
 stage, forward exceptions (one batch, then repeated), submitting after stop. In every case the engine either keeps
 serving the other requests correctly (checked against ``model.generate``) or stops with the error surfaced, and every
 request ends with a terminal output; cancelled/failed requests hold no cache blocks."""
@@ -14,23 +14,14 @@ import cbnb
 from cbnb.engine import EngineStoppedError
 from cbnb.requests import RequestState
 
-from helpers_engine import (
-    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, oracle_for,
-    random_prompts, results, submit_together, tiny_model, torch_threads,
+from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
+    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, llama,
+    one_torch_thread, oracle_for, random_prompts, results, submit_together, tiny_model,
 )
 
-LLAMA = "tiny:llama"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model(LLAMA), oracle_for(LLAMA)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _check_finished(oracle, prompts, outs, n):
@@ -74,12 +65,13 @@ def test_empty_text_prompt_rejected_with_tokenizer(llama):
         assert engine.running and not engine.core.requests
 
 
-@pytest.mark.parametrize("bad", [[3, 512], [600], [-1, 4], [4, 2.5], [True, 4]], ids=str)
-def test_token_id_outside_vocabulary_rejected(llama, bad):
+@pytest.mark.parametrize("bad, error", [([3, 512], ValueError), ([600], ValueError), ([-1, 4], ValueError),
+                                        ([4, 2.5], TypeError), ([True, 4], TypeError)], ids=str)
+def test_token_id_outside_vocabulary_rejected(llama, bad, error):
     model, oracle = llama
     engine = cbnb.Engine(model, config=config(page_size=16))
     with engine:
-        with pytest.raises(ValueError):
+        with pytest.raises(error, match="prompt"):
             engine.submit(bad, max_new_tokens=3)
         with pytest.raises(ValueError, match="vocabulary"):
             engine.submit(torch.tensor([7, model.config.vocab_size]), max_new_tokens=3)
@@ -110,9 +102,10 @@ def test_prompt_larger_than_cache_fails_alone(name):
 
 @pytest.mark.parametrize("swap", [0, 0.001], ids=["no_swap", "swap"])
 @pytest.mark.parametrize("name", ["tiny:llama", "tiny:gemma3"])
-def test_lone_request_outgrowing_cache_fails_engine_goes_on(name, swap):
-    # The big request runs alongside two small ones (which may be offloaded for it); once they are done it is alone,
-    # outgrows the whole cache and must fail, whatever the offload path, without stalling the engine.
+def test_request_that_can_never_fit_warns_then_ends_cache_exhausted(name, swap):
+    # The big request (prompt + max_new_tokens > the whole cache) is admitted with a warning; it runs alongside two
+    # small ones (which may be offloaded for it); once they are done it is alone, fills the whole cache and ends
+    # FINISHED "cache_exhausted" with the tokens it made, whatever the offload path, and the engine goes on.
     model, oracle = tiny_model(name), oracle_for(name)
     engine = cbnb.Engine(model, config=config(page_size=16, num_blocks=4, max_batch_tokens=32,
                                               cpu_offload_space=swap))
@@ -125,14 +118,33 @@ def test_lone_request_outgrowing_cache_fails_engine_goes_on(name, swap):
         assert engine.running and engine.error is None
     assert companions[0].token_ids == oracle(STD_PROMPTS[0], 30)
     assert companions[1].token_ids == oracle(STD_PROMPTS[1], 20)
-    assert out.state == RequestState.FAILED
-    assert "does not fit" in out.error
-    # It produced what fitted, and those tokens are right.
-    assert 1 <= len(out.token_ids) < 60
-    assert len(p) + len(out.token_ids) <= cap + 1
+    assert [c.warning for c in companions] == [None, None]
+    assert out.state == RequestState.FINISHED and out.finish_reason == "cache_exhausted" and out.error is None
+    assert f"at most {cap} tokens for one request" in out.warning and "num_blocks=4" in out.warning
+    assert "sector" not in out.warning
+    warned = [e for e in engine.events.events("request_warning")]
+    assert [(e.request_id, e.code, e.message) for e in warned] == [(out.request_id, "exceeds_cache", out.warning)]
+    # It kept every token that fitted (the last one is sampled from the last cached position), and they are right.
+    assert len(out.token_ids) == cap - len(p) + 1
     assert out.token_ids == oracle(p, len(out.token_ids))
+    done = [e for e in engine.events.events("request_done") if e.request_id == out.request_id]
+    assert [(e.state, e.finish_reason) for e in done] == [("FINISHED", "cache_exhausted")]
     _check_finished(oracle, STD_PROMPTS[:2], after, 8)
     assert_cache_empty(engine)
+
+
+def test_user_facing_messages_speak_of_blocks_and_tokens_never_sectors(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16, num_blocks=4, max_batch_tokens=32))
+    with engine:
+        too_long = engine.submit(random_prompts([200], seed=3)[0], max_new_tokens=2).result(TIMEOUT)
+        exhausted = engine.submit([5, 6, 7], max_new_tokens=500, eos_token_id=-1).result(TIMEOUT)
+    with pytest.raises(MemoryError) as no_room:
+        cbnb.Engine(model, config=config(page_size=16, max_memory_percent=1e-9))
+    assert too_long.state == RequestState.FAILED and exhausted.finish_reason == "cache_exhausted"
+    assert len(exhausted.token_ids) == 64 - 3 + 1  # num_blocks=4 of 16 tokens
+    for msg in (too_long.error, exhausted.warning, str(no_room.value)):
+        assert "sector" not in msg and "block" in msg, msg
 
 
 # ----------------------------------------------------------------------------------------------- cancel
@@ -202,7 +214,7 @@ def test_cancel_while_decoding_streams_final_delta(llama):
     assert out.state == RequestState.CANCELLED
     assert deltas[-1].finished and deltas[-1].state == RequestState.CANCELLED
     assert [t for d in deltas for t in d.token_ids] == out.token_ids
-    assert 4 <= len(out.token_ids) <= 5
+    assert len(out.token_ids) == 3  # cancelled while its 4th token's step ran: that token is not delivered
     assert out.token_ids == oracle(p, len(out.token_ids))
     assert len(rec.entries(out.request_id)) <= 6
     assert o2.token_ids == oracle(STD_PROMPTS[1], 30)

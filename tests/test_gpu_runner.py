@@ -11,7 +11,6 @@ stream overlap, and speed (the device check script covers those).
 from __future__ import annotations
 
 import os
-import types
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from cbnb.requests import Request, RequestState, SamplingParams  # noqa: E402
 from cbnb.runner import graphs as gr  # noqa: E402
 from cbnb.runner import triton_attention as ta  # noqa: E402
 from cbnb.runner.cuda_runner import CudaModelRunner  # noqa: E402
+from cbnb.runner.factory import make_runner, runner_kind  # noqa: E402
 from cbnb.runner.model_runner import ModelRunner  # noqa: E402
 
 from helpers_engine import (  # noqa: E402
@@ -155,6 +155,108 @@ def test_graph_cache_capture_then_replay_and_counts():
     assert backend.log == ["capture", "replay", "replay", "capture", "replay"]
 
 
+class _FakeCudaGraph:
+    """`torch.cuda.CUDAGraph`'s capture protocol; `capture_end` raises like an invalidated capture when told to."""
+
+    def __init__(self, end_raises: bool = False) -> None:
+        self.end_raises = end_raises
+        self.calls: list[str] = []
+
+    def capture_begin(self, **kw):
+        self.calls.append("begin")
+
+    def capture_end(self):
+        self.calls.append("end")
+        if self.end_raises:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+class _CaptureFailingBackend(gr.FakeGraphBackend):
+    """Fake graphs whose capture number `n` (0-based) in `fail` fails like a CUDA one: the forward raises inside the
+    capture, then `capture_end` raises too."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__()
+        self.fail = fail
+        self.n = 0
+
+    def capture(self, fn):
+        n, self.n = self.n, self.n + 1
+        if n not in self.fail:
+            return super().capture(fn)
+
+        def forward_in_capture():
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        return gr.capture_into(_FakeCudaGraph(end_raises=True), forward_in_capture)[1]
+
+
+def test_capture_into_keeps_the_forward_error_not_capture_end():
+    g = _FakeCudaGraph(end_raises=True)
+    with pytest.raises(ValueError, match="boom") as info:
+        gr.capture_into(g, lambda: (_ for _ in ()).throw(ValueError("boom")), pool=None)
+    assert g.calls == ["begin", "end"]  # the capture was ended anyway
+    assert any("capture_end() raised as well" in n for n in info.value.__notes__)
+    with pytest.raises(RuntimeError, match="previous error during capture"):  # only capture_end failed: its error
+        gr.capture_into(_FakeCudaGraph(end_raises=True), lambda: 1)
+    assert gr.capture_into(_FakeCudaGraph(), lambda: 7)[1] == 7
+
+
+def test_graph_cache_failed_capture_runs_eagerly_and_never_retries():
+    cache = gr.GraphCache(_CaptureFailingBackend({0}))
+    out, cap = cache.run(("decode", 8, 256), lambda: "eager", None)
+    assert (out, cap, ("decode", 8, 256) in cache) == ("eager", False, False)
+    err = cache.failures[("decode", 8, 256)]
+    assert isinstance(err, gr.GraphCaptureError) and "('decode', 8, 256)" in str(err)
+    assert "operation not permitted when stream is capturing" in str(err)  # the cause, not capture_end's error
+    assert [e.key for e in cache.take_failures()] == [("decode", 8, 256)] and cache.take_failures() == []
+    assert cache.run(("decode", 8, 256), lambda: "again", None) == ("again", False)
+    assert (cache.capture_failures, cache.eager_runs, cache.backend.n) == (1, 2, 1)  # no second capture attempt
+    assert not cache.capture(("decode", 8, 256), lambda: None)  # nor at pre-capture
+
+
+def test_failed_captures_fall_back_to_eager_with_the_engine_alive():
+    name = "tiny:llama"
+    cfg = config(page_size=16, max_batch_tokens=32, q_padding_interval_size=8, kv_padding_interval_size=48)
+    eng, r = gpu_engine(tiny_model(name), cfg)
+    r.graphs = gr.GraphCache(_CaptureFailingBackend({0, 2}))
+    with eng:
+        outs = results(submit_together(eng, STD_PROMPTS, STD_NEW))
+        assert eng.state == "running"
+    assert_oracle(name, STD_PROMPTS, outs, STD_NEW)
+    d = r.describe()
+    assert len(d["capture_failures"]) == 2 and d["eager_fallback_steps"] >= 2 and d["captures"] >= 2
+    assert eng.stats()["run"]["cuda_graph_capture_failures"] == 2
+    failed = [e for e in eng.events.events("cuda_graph") if e.action == "capture_failed"]
+    assert len(failed) == 2
+    assert all("operation not permitted when stream is capturing" in e.error and str(e.key) in e.error
+               for e in failed)
+    assert {e.key for e in failed} == set(r.graphs.failures)
+
+
+def test_sync_debug_covers_every_step_but_captures(monkeypatch):
+    # CBNB_SYNC_DEBUG=error: each step's queueing runs under set_sync_debug_mode (a no-op on CPU, so spied here),
+    # except a step that captures a graph (capturing synchronises by design).
+    import contextlib
+
+    from cbnb.runner import cuda_runner as cr
+
+    modes = []
+
+    @contextlib.contextmanager
+    def spy(mode):
+        modes.append(mode)
+        yield
+
+    monkeypatch.setattr(cr, "sync_debug", spy)
+    monkeypatch.setenv("CBNB_SYNC_DEBUG", "error")
+    cfg = config(page_size=16, max_batch_tokens=32, q_padding_interval_size=8, kv_padding_interval_size=48)
+    eng, r, outs = run(tiny_model("tiny:llama"), cfg, n=8, sampling=dict(do_sample=True, seed=3))
+    assert all(o.state == RequestState.FINISHED for o in outs)
+    assert modes.count(None) == r.graphs.captures > 0
+    assert modes.count("error") == len(modes) - r.graphs.captures > 0
+
+
 def test_graph_support_rules():
     assert gr.graph_support("cpu", "cuda", "triton")[0] is False
     ok, why = gr.graph_support("cuda", "cuda", "torch")
@@ -177,17 +279,17 @@ def test_runner_disables_graphs_and_async_where_unsupported():
         CudaModelRunner(eng.model, eng.cache, eng.store, backend="cuda")  # real graphs need a CUDA store
 
 
-def test_factory_picks_cuda_runner_on_cuda_store():
+def test_factory_picks_cuda_runner_on_cuda_store(monkeypatch):
     model = tiny_model("tiny:llama")
     eng = cbnb.Engine(model, config=config(page_size=16, num_blocks=32))
     assert type(eng.runner) is ModelRunner  # CPU store: the CPU path
-    fake_store = types.SimpleNamespace(device=torch.device("cuda"))
-    assert type(ModelRunner.__new__(ModelRunner, model, eng.cache, fake_store)) is CudaModelRunner
-    os.environ["CBNB_CUDA_RUNNER"] = "0"
-    try:
-        assert type(ModelRunner.__new__(ModelRunner, model, eng.cache, fake_store)) is ModelRunner
-    finally:
-        del os.environ["CBNB_CUDA_RUNNER"]
+    assert runner_kind(torch.device("cuda")) == "cuda" and runner_kind("cpu") == "cpu"
+    monkeypatch.setenv("CBNB_CUDA_RUNNER", "0")
+    assert runner_kind("cuda") == "cpu"
+    monkeypatch.setenv("CBNB_CUDA_RUNNER", "fake")
+    assert runner_kind("cpu") == "cuda"
+    r = make_runner(model, eng.cache, eng.store, attention="torch")  # the CUDA runner on CPU: fake graphs
+    assert type(r) is CudaModelRunner and r.backend_kind == "fake"
 
 
 # ------------------------------------------------------------------------------------------------ engine == generate
@@ -266,9 +368,9 @@ def test_padded_step_writes_only_real_slots_and_trash():
             assert (allowed | trash)[changed].all(), step  # nothing outside the requests' blocks and the trash
             assert not (changed < eng.layout.bytes_per_sector).any()  # the read-padding sector is never written
             if step == 0:  # 35 real rows padded to 64 (a capture)
-                assert res.graph_counts == (1, 1)
+                assert res.graph_counts == (1, 1, 0)
             if step == 2:  # 3 decodes padded to 4, a replay of the graph captured at step 1: the padded row wrote
-                assert res.graph_counts == (0, 1)  # its K/V to the trash
+                assert res.graph_counts == (0, 1, 0)  # its K/V to the trash
                 assert trash[changed].any()
             eng.core.apply(work, res.tokens)
     finally:

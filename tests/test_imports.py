@@ -7,7 +7,9 @@ import sys
 
 CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", "cbnb.cache.allocators",
         "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
-        "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads"]
+        "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads",
+        # the engine's runner-agnostic parts, shared with the simulator
+        "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.calibrate",
        "cbnb.sim.validate"]
@@ -42,3 +44,19 @@ def test_engine_imports_without_ui_or_gguf():
             "print(cbnb.Engine.__name__, cbnb.ContinuousBatchingConfig.__name__)")
     mods = _loaded_after(code)
     assert "cbnb.engine" in mods and "torch" in mods
+
+
+def test_plan_data_imports_nothing_that_decides():
+    mods = _loaded_after("import cbnb.plan")
+    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload", "cbnb.cache.manager", "cbnb.requests"} & mods
+
+
+def test_runners_take_plan_types_from_plain_data_and_form_no_cycle():
+    # The runner executes plans; it does not make them: no scheduler, core or offload policy behind it.
+    mods = _loaded_after("import cbnb.runner.model_runner, cbnb.runner.batch, cbnb.runner.kv")
+    assert "cbnb.plan" in mods
+    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload", "cbnb.runner.cuda_runner"} & mods
+    # cuda_runner imports model_runner (a subclass), never the other way; the factory is the one chooser.
+    mods = _loaded_after("import cbnb.runner.cuda_runner")
+    assert {"cbnb.runner.model_runner", "cbnb.plan"} <= mods and "cbnb.runner.factory" not in mods
+    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload"} & mods

@@ -206,6 +206,19 @@ def test_swap_out_and_restore_through_the_core() -> None:
         assert r.output_ids == [token(r.request_id, 6 + k) for k in range(12)]
 
 
+def test_requests_that_fit_get_no_warning_and_a_prompt_too_long_fails() -> None:
+    core = make_core(full_cache(3))
+    ok = add(core, "fits", 6, max_new=6)  # 12 tokens: exactly the cache
+    assert ok.warning is None
+    big = Request("big", [7] * 13, SamplingParams(max_new_tokens=1))
+    assert core.add(big) is False
+    assert big.state == RequestState.FAILED and big.finish_reason == "error"
+    assert big.error == ("prompt of 13 tokens does not fit: the KV cache holds at most 12 tokens for one request "
+                         "(num_blocks=3, page_size=4)")
+    drain(core)
+    assert ok.state == RequestState.FINISHED and ok.finish_reason == "length"
+
+
 def test_tiny_swap_pool_falls_back_to_soft_reset() -> None:
     core = make_core(full_cache(6, swap=1))
     add(core, "a", 6, max_new=12)
@@ -215,13 +228,16 @@ def test_tiny_swap_pool_falls_back_to_soft_reset() -> None:
     assert paths and set(paths) == {SOFT_RESET}
 
 
-def test_lone_request_that_outgrows_the_cache_fails_with_partial_output() -> None:
+def test_lone_request_that_outgrows_the_cache_ends_cache_exhausted_with_partial_output() -> None:
     ended.clear()
     core = make_core(full_cache(3))
     r = add(core, "a", 6, max_new=20)
+    # decided at admission: 6 + 20 tokens can never fit the 12 the cache holds
+    assert r.warning is not None and "at most 12 tokens for one request" in r.warning
+    assert r.warning.startswith("exceeds the KV cache: 6 prompt tokens + max_new_tokens=20 = 26 tokens")
+    assert "after at most 7 new tokens" in r.warning  # the last token is sampled from the last cached position
     works = drain(core)
-    assert r.state == RequestState.FAILED and r.finish_reason == "error"
-    assert "does not fit the KV cache" in r.error and "13 tokens" in r.error and "at most 12 tokens" in r.error
+    assert r.state == RequestState.FINISHED and r.finish_reason == "cache_exhausted" and r.error is None
     # 12 positions computed (the whole cache): 7 tokens sampled; the 13th position has no room
     assert r.output_ids == [token("a", 6 + k) for k in range(7)]
     assert works[-1].failed == [r] and ended[-1] is r

@@ -45,7 +45,9 @@ def test_quickstart_command_serves_the_notebook(tmp_path):
     env["CBNB_SETUP_REUSE"] = "1"
     log = open(tmp_path / "quickstart.log", "w")
     proc = subprocess.Popen(
-        [str(ROOT / "scripts" / "quickstart.sh"), f"--port={port}", f"--IdentityProvider.token={token}",
+        # An --ip of our own replaces the script's default (jupyter refuses two): the README's remote set-up.
+        [str(ROOT / "scripts" / "quickstart.sh"), "--ip=localhost", f"--port={port}",
+         f"--IdentityProvider.token={token}",
          "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -69,6 +71,7 @@ def test_quickstart_command_serves_the_notebook(tmp_path):
             assert r.status == 200 and "JupyterLab" in r.read().decode()
         log_text = (tmp_path / "quickstart.log").read_text()
         assert f"Serving notebooks from local directory: {ROOT / 'examples'}" in log_text
+        assert f"http://localhost:{port}/lab" in log_text and "token=" in log_text  # the URL the README points to
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

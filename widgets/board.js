@@ -3,12 +3,15 @@
 const BOARD_HEADERS = {
   id: "request", state: "state", output_tokens: "progress", prompt_tokens: "prompt",
   ttft_ms: "TTFT ms", queue_ms: "queue ms", prefix_cached_tokens: "cached", offloads: "offloads",
-  soft_resets: "soft resets", error: "error",
+  soft_resets: "soft resets", error: "error / warning",
 };
+// Data columns drawn inside others: max_new_tokens in the progress bar, warning in the error cell.
+const BOARD_HIDDEN = new Set(["max_new_tokens", "warning", "finish_reason"]);
 const BOARD_TIPS = {
   prefix_cached_tokens: "prompt tokens served from the prefix cache",
   offloads: "times swapped out to the host pool", soft_resets: "times re-queued and recomputed",
   ttft_ms: "time to first token", queue_ms: "time waiting before the first step",
+  error: "why a request failed, or a warning given when it was admitted",
 };
 
 function initialize({ model }) {
@@ -29,7 +32,7 @@ function render({ model, el }) {
   const drawHead = (cols) => {
     const tr = cbnbEl("tr");
     for (const c of cols) {
-      if (c === "max_new_tokens") continue;
+      if (BOARD_HIDDEN.has(c)) continue;
       const th = cbnbEl("th", null, BOARD_HEADERS[c] || c);
       if (BOARD_TIPS[c]) th.title = BOARD_TIPS[c];
       tr.append(th);
@@ -53,7 +56,7 @@ function render({ model, el }) {
       tr.dataset.id = r[ix.id];
       tr.dataset.state = r[ix.state];
       for (const c of cols) {
-        if (c === "max_new_tokens") continue;
+        if (BOARD_HIDDEN.has(c)) continue;
         const td = cbnbEl("td", `cbnb-col-${c}`);
         const v = r[ix[c]];
         if (c === "state") td.append(cbnbStateBadge(v));
@@ -65,8 +68,15 @@ function render({ model, el }) {
           bar.append(fill);
           td.append(bar, cbnbEl("span", "cbnb-progress-text", max ? `${v}/${max}` : `${v}`));
         } else if (c === "ttft_ms" || c === "queue_ms") td.textContent = cbnbFmt(v, 0);
-        else td.textContent = v === null || v === undefined ? "–" : v;
-        if (c === "error" && v) td.title = v;
+        else if (c === "error") {
+          const warn = r[ix.warning], reason = r[ix.finish_reason];
+          if (v) { td.textContent = v; td.title = v; }
+          else if (warn) {
+            td.classList.add("cbnb-warning");
+            td.textContent = reason ? `⚠ ended ${reason}: ${warn}` : `⚠ ${warn}`;
+            td.title = warn;
+          } else td.textContent = "–";
+        } else td.textContent = v === null || v === undefined ? "–" : v;
         tr.append(td);
       }
       return tr;

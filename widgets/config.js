@@ -3,7 +3,8 @@
 
 const MEM_PARTS = [
   ["weights", "weights", "#9d755d"], ["kv_cache", "KV cache", "#4c78a8"],
-  ["activations", "activations", "#f58518"], ["logits", "logits", "#e45756"], ["swap_pool", "host swap", "#bab0ac"],
+  ["activations", "activations", "#f58518"], ["logits", "logits", "#e45756"], ["cuda_graphs", "CUDA graphs", "#72b7b2"],
+  ["swap_pool", "host swap", "#bab0ac"],
 ];
 
 function cfgFormat(f, v) {

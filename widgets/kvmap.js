@@ -93,8 +93,10 @@ function render({ model, el }) {
       const w = cols * cell, h = rows * cell;
       if (L.canvas.width !== w || L.canvas.height !== h) { L.canvas.width = w; L.canvas.height = h; }
       L.cell = cell; L.cols = cols; L.n = n; L.meta = g;
+      const usable = g.usable_blocks ?? n, reserved = g.reserved_blocks ?? 0;
       L.title.textContent = `group ${g.index} · ${g.attention_type} · ${g.num_layers} layers · page ${g.page_size} tokens · `
-        + `${n.toLocaleString()} blocks · ${(g.tokens_filled || 0).toLocaleString()} tokens filled`;
+        + `${usable.toLocaleString()} blocks + ${reserved} reserved padding · `
+        + `${(g.tokens_filled || 0).toLocaleString()} tokens filled`;
       const ctx = L.canvas.getContext("2d");
       const img = ctx.createImageData(w, h);
       const px = new Uint32Array(img.data.buffer);

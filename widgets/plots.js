@@ -84,6 +84,7 @@ function plotsFigures(model) {
   });
   const hv = { shape: "hv" };
   const graphs = `CUDA graphs: ${sm.graph_captures ?? 0} captures, ${sm.graph_replays ?? 0} replays`
+    + (sm.graph_capture_failures ? `, ${sm.graph_capture_failures} failed captures (those shapes run eagerly)` : "")
     + (sm.graphs_enabled ? "" : ` (${sm.device || "cpu"}: graphs off)`);
   const f5 = () => ({
     traces: [line("swaps", t, T("swaps"), "#b279a2", { line: hv }), line("soft resets", t, T("soft_resets"), "#e45756", { line: hv }),
@@ -110,6 +111,7 @@ function plotsSummaryText(sm) {
     + `KV ${cbnbFmt(sm.kv_blocks_pct)} % blocks / ${cbnbFmt(sm.kv_tokens_pct)} % tokens · `
     + `prefix hits ${cbnbFmt(sm.prefix_hit_tokens, 0)} tokens (${cbnbFmt(sm.prefix_hit_pct)} %) · `
     + `swaps ${sm.swaps} · soft resets ${sm.soft_resets} · CUDA graphs ${sm.graph_captures}/${sm.graph_replays}`
+    + (sm.graph_capture_failures ? ` (${sm.graph_capture_failures} failed: eager)` : "")
     + (sm.graphs_enabled ? "" : ` (${sm.device}: off)`) + ` · ${sm.steps} steps, ${sm.finished} finished`;
 }
 

@@ -1,20 +1,27 @@
 """Cache sizing: how many sectors fit in memory, and where the bytes go (torch-free arithmetic).
 
-Adapted from transformers' `PagedAttentionMemoryHandler` (reference, section 3.5) to cbnb's backends, which build no
-attention masks and keep no read-index buffers:
+Adapted from transformers' `PagedAttentionMemoryHandler` (5.24, `generation/continuous_batching/cache.py`) to
+cbnb's backends, which build no attention masks and keep no read-index buffers:
 
     available = free_bytes * max_memory_percent
     per batch token  = a * (3 * hidden + H * d + 4 * Hkv * d + 3 * intermediate)   # activations of one token
     per cache token  = K/V of all layers (the cache itself)
                      + 2 * Hkv * d * a                                              # one layer's K/V gathered
     logits           = max_requests_per_batch * vocab * 4                           # fp32 rows that sample
-    fixed            = 2 * bytes_per_sector (the two padding sectors) + logits
+    cuda_graphs      = (pairs + 1) * R * vocab * a + G * per_batch_token            # with CUDA graphs, else 0
+    fixed            = 2 * bytes_per_sector (the two padding sectors) + logits + cuda_graphs
     num_sectors      = floor((available - fixed - M * per_batch_token) / per_sector)
     per_sector       = bytes_per_sector + tokens_per_sector * (2 * Hkv * d * a)
 
 `a` is the activation/cache itemsize, `M` = `max_batch_tokens`. An explicit `num_blocks` is honoured: it is
 converted to sectors with transformers' rule (`num_blocks * num_layers * bytes_per_page`, rounded up to whole
 sectors) and only refused when the footprint exceeds *all* free memory (not just the percentage).
+
+CUDA graphs (`graph_bytes`; cbnb's CUDA runner, `cbnb.runner.cuda_runner`): every graph of an IO pair writes its
+kept logits rows into that pair's one static buffer (`R` = `max_requests_per_batch` rows in the model dtype, one per
+pair: 2 with async batching), and all graphs share one private memory pool, which holds the largest graph's
+activations (`G` = `max_batch_tokens` tokens with varlen graphs, else `R`) and its transient logits (`R` rows) apart
+from the eager path's memory. For Qwen3-0.6B in bf16 with the presets (R = 1024, M = 8192, 2 pairs) that is 1.24 GB.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 from .layout import KVLayout, layout_for
 
-__all__ = ["MemoryPlan", "plan_cache", "swap_sectors", "plan_memory"]
+__all__ = ["MemoryPlan", "graph_bytes", "plan_cache", "plan_memory", "swap_sectors"]
 
 GiB = 1 << 30
 
@@ -39,6 +46,7 @@ class MemoryPlan:
         cache_bytes: the KV pool, padding sectors included.
         activation_bytes: peak activations for `max_batch_tokens` query tokens plus one layer's gathered K/V.
         logits_bytes: fp32 logits for `max_requests_per_batch` rows.
+        graph_bytes: what CUDA graphs hold beyond that (static logits buffers and the graph pool; 0 without).
         weight_bytes: the model's parameters and buffers.
         free_bytes: free memory measured before sizing.
         budget_bytes: `free_bytes * max_memory_percent`.
@@ -56,17 +64,38 @@ class MemoryPlan:
     budget_bytes: int
     capacity_tokens: int
     explicit: bool
+    graph_bytes: int = 0
 
     def split(self) -> dict[str, int]:
-        """{"weights", "kv_cache", "activations", "logits"} in bytes."""
+        """{"weights", "kv_cache", "activations", "logits", "cuda_graphs"} in bytes."""
         return {"weights": self.weight_bytes, "kv_cache": self.cache_bytes,
-                "activations": self.activation_bytes, "logits": self.logits_bytes}
+                "activations": self.activation_bytes, "logits": self.logits_bytes, "cuda_graphs": self.graph_bytes}
 
 
 def _per_batch_token(spec: dict[str, Any], itemsize: int) -> int:
     h, H, Hkv, d = spec["hidden_size"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     inter = spec.get("intermediate_size") or 4 * h
     return itemsize * (3 * h + H * d + 4 * Hkv * d + 3 * inter)
+
+
+def graph_bytes(spec: dict[str, Any], itemsize: int, *, max_batch_tokens: int, max_requests_per_batch: int,
+                cuda_graphs: tuple[bool, bool], io_pairs: int) -> int:
+    """Bytes CUDA graphs hold beyond the eager path (see the module docstring for the formula).
+
+    Args:
+        spec: `model_kv_spec(...)` output (vocab_size, sizes of the activations).
+        itemsize: bytes per element of the model's activations and logits.
+        max_batch_tokens, max_requests_per_batch: the resolved config values.
+        cuda_graphs: (varlen, decode) graphs in use; (False, False) gives 0.
+        io_pairs: IO pairs (2 with async batching, else 1), each with its static logits buffer.
+    """
+    varlen, decode = bool(cuda_graphs[0]), bool(cuda_graphs[1])
+    if not (varlen or decode):
+        return 0
+    rows = max_requests_per_batch
+    logits_rows = (io_pairs + 1) * rows  # one static buffer per pair + the pool's transient copy
+    pool_tokens = max_batch_tokens if varlen else rows
+    return logits_rows * spec["vocab_size"] * itemsize + pool_tokens * _per_batch_token(spec, itemsize)
 
 
 def plan_cache(
@@ -79,6 +108,8 @@ def plan_cache(
     free_bytes: int,
     weight_bytes: int = 0,
     num_blocks: int | None = None,
+    cuda_graphs: tuple[bool, bool] = (False, False),
+    io_pairs: int = 1,
 ) -> MemoryPlan:
     """Size the KV cache.
 
@@ -91,6 +122,7 @@ def plan_cache(
         free_bytes: free device memory (CUDA: `mem_get_info` free; CPU: available RAM), bytes.
         weight_bytes: already-loaded model bytes (reported only; they are not in `free_bytes`).
         num_blocks: explicit size in whole-model blocks, or None to infer.
+        cuda_graphs, io_pairs: the CUDA graphs in use and the IO pairs (see `graph_bytes`).
 
     Raises:
         MemoryError: when not even one sector fits, or an explicit size exceeds all free memory.
@@ -102,7 +134,9 @@ def plan_cache(
     per_sector = bps + tokens_per_sector * gathered_per_token
     act = max_batch_tokens * _per_batch_token(spec, a)
     logits = max_requests_per_batch * spec["vocab_size"] * 4
-    fixed = 2 * bps + logits
+    graphs = graph_bytes(spec, a, max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests_per_batch,
+                         cuda_graphs=cuda_graphs, io_pairs=io_pairs)
+    fixed = 2 * bps + logits + graphs
     budget = int(free_bytes * max_memory_percent)
     if num_blocks is not None:
         sectors = layout.sectors_for_blocks(num_blocks)
@@ -110,7 +144,8 @@ def plan_cache(
         if footprint > free_bytes:
             raise MemoryError(
                 f"num_blocks={num_blocks} needs {footprint / GiB:.2f} GiB (KV {sectors * bps / GiB:.2f} GiB + "
-                f"activations + logits) but only {free_bytes / GiB:.2f} GiB is free"
+                f"activations + logits{' + CUDA graphs' if graphs else ''}) but only {free_bytes / GiB:.2f} GiB is "
+                "free"
             )
         explicit = True
     else:
@@ -119,7 +154,8 @@ def plan_cache(
             raise MemoryError(
                 f"no room for the KV cache: {budget / GiB:.2f} GiB budget (max_memory_percent="
                 f"{max_memory_percent}) minus {act / GiB:.2f} GiB activations for max_batch_tokens="
-                f"{max_batch_tokens} and {logits / GiB:.2f} GiB logits leaves less than one sector "
+                f"{max_batch_tokens}, {logits / GiB:.2f} GiB logits and {graphs / GiB:.2f} GiB for CUDA graphs "
+                "leaves no room for one block of every layer group "
                 f"({bps} bytes); lower max_batch_tokens or page_size, or set num_blocks"
             )
         explicit = False
@@ -136,6 +172,7 @@ def plan_cache(
         budget_bytes=budget,
         capacity_tokens=capacity,
         explicit=explicit,
+        graph_bytes=graphs,
     )
 
 

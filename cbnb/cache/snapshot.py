@@ -1,7 +1,9 @@
 """KV page map snapshots and cache usage figures (torch-free, NumPy).
 
 `kv_snapshot` turns the cache manager's bookkeeping into flat arrays, one entry per block of each layer group:
-state, refcount, owner request, tokens filled. It is vectorised so that 100,000 blocks take a few milliseconds
+state, refcount, owner request, tokens filled. The first blocks of every group are *reserved*: the read-padding
+and write-padding blocks (`padding_blocks`), never handed to a request, so a cache of ``num_blocks=64`` shows
+64 usable blocks + 2 reserved (``repr(snapshot)``, `GroupSnapshot.usable_blocks`, `reserved_blocks`). It is vectorised so that 100,000 blocks take a few milliseconds
 (cheap enough for a 10 Hz display). Take it while the engine is not mutating the cache (the engine's
 `snapshot()` holds its state lock).
 
@@ -53,21 +55,45 @@ class GroupSnapshot:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the arrays, the reserved padding ones included."""
         return int(self.state.shape[0])
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks of the reserved padding area (never handed to a request)."""
+        return int(np.count_nonzero(self.state == BlockState.RESERVED))
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks requests can hold: `num_blocks` minus the reserved ones."""
+        return self.num_blocks - self.reserved_blocks
 
     def counts(self) -> dict[str, int]:
         c = np.bincount(self.state, minlength=len(BlockState.NAMES))
         return {name: int(c[i]) for i, name in enumerate(BlockState.NAMES)}
 
+    def describe(self) -> str:
+        """E.g. "group 0 (full_attention, page 16 tokens): 64 blocks + 2 reserved padding, 3 allocated"."""
+        c = self.counts()
+        used = ", ".join(f"{c[k]} {k}" for k in ("allocated", "shared", "cached") if c[k])
+        return (f"group {self.index} ({self.attention_type}, page {self.page_size} tokens): {self.usable_blocks} "
+                f"blocks + {self.reserved_blocks} reserved padding" + (f", {used}" if used else ""))
 
-@dataclass
+    def __repr__(self) -> str:
+        return f"GroupSnapshot({self.describe()})"
+
+
+@dataclass(repr=False)
 class KVSnapshot:
     """The page map of every layer group plus the request ids the owner indices refer to."""
 
     groups: list[GroupSnapshot]
     request_ids: list[str]
-    num_sectors: int
+    num_sectors: int  # the pool's allocation units (internal geometry; blocks are what users see)
     bytes_per_sector: int
+
+    def __repr__(self) -> str:
+        return f"KVSnapshot({'; '.join(g.describe() for g in self.groups)}; {len(self.request_ids)} requests)"
 
 
 def _fill(tokens: int, n_blocks: int, page: int) -> np.ndarray:

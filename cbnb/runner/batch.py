@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
-from ..scheduler import ScheduledRequest
+from ..plan import ScheduledRequest
 
 __all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]
 

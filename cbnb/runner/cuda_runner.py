@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
-from ..core import StepWork
-from ..requests import SamplingParams
+from ..plan import StepResult, StepWork
 from .attention import paged_attention_forward, register as register_cpu_attention
+from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
 from .kv import KVStore
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -119,12 +119,10 @@ def register_cuda_attention() -> None:
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
 class CudaStepResult(StepResult):
-    """`StepResult` plus graph telemetry: this step's (captures, replays), the backend name, captured keys, and
-    (when profiling) the GPU time of the step."""
+    """`StepResult` plus graph telemetry: this step's (captures, replays, failed captures), the backend name,
+    captured keys, failed captures as (key, error message), and (when profiling) the GPU time of the step."""
 
-    graph_counts: tuple[int, int] = (0, 0)
-    backend: str = ""
-    graph_captured: list[tuple] = field(default_factory=list)
+    graph_counts: tuple[int, int, int] = (0, 0, 0)
     gpu_ms: float | None = None
 
 
@@ -138,39 +136,29 @@ class _Launched:
     shape: StepShape | None = None
     graph: bool = False
     captured: tuple | None = None
+    failed: list[Any] = field(default_factory=list)
     events: tuple | None = None
     kv_bytes: int = 0
     t_launch: float = 0.0
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One sampled id (a 1-element device tensor) with `Sampler.process` semantics, without host synchronisation."""
-    x = logits.float()
-    if params.temperature != 1.0:
-        x = x / params.temperature
-    if params.top_k is not None and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=False)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = cum <= (1 - params.top_p)
-        drop[-1] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return torch.multinomial(x.softmax(-1), 1, generator=generator)
-
-
 # ------------------------------------------------------------------------------------------------ the runner
 class CudaModelRunner(ModelRunner):
-    """The runner used when the KV store is on a CUDA device (`ModelRunner` picks it), or explicitly in tests.
+    """The runner used when the KV store is on a CUDA device (`cbnb.runner.factory.make_runner` picks it), or
+    explicitly in tests.
 
     Args:
         model, cache, store, seed: as `ModelRunner`.
         config: a resolved `ContinuousBatchingConfig`; may also be given later with `configure` (the engine loop
             configures an unconfigured runner with `engine.config` before its first step).
         backend: "cuda" (real graphs and streams) or "fake" (CPU stand-in); default: "cuda" on CUDA, else "fake".
-        attention: "triton" (kernels) or "torch" (the references); default: "triton" on CUDA when importable.
+        attention: "triton" (kernels) or "torch" (the references); default (`cbnb.runner.device_checks.pick_attention`):
+            "triton" on CUDA when a 1-element Triton kernel launches, else "torch" with the reason in
+            ``describe()["attention_reason"]``; the environment variable ``CBNB_ATTENTION`` forces one.
         num_sms: multiprocessors used to pick decode splits (default: the device's, 132 off CUDA).
+
+    ``CBNB_SYNC_DEBUG=warn|error`` runs every step's queueing (H2D, forward or replay, sampling, D2H) under
+    ``torch.cuda.set_sync_debug_mode``, so a host synchronisation there warns or raises (graph captures excepted).
     """
 
     attention_name = CUDA_ATTN_NAME
@@ -187,7 +175,9 @@ class CudaModelRunner(ModelRunner):
         if self.backend_kind == "cuda" and not cuda:
             raise ValueError("the 'cuda' graph backend needs the KV store on a CUDA device")
         if attention is None:
-            attention = "triton" if (cuda and HAS_TRITON) else "torch"
+            attention, self.attention_reason = pick_attention(self.device)  # probes a Triton launch on CUDA
+        else:
+            self.attention_reason = "" if attention == "triton" else "requested"
         if attention not in ("triton", "torch"):
             raise ValueError(f"attention must be 'triton' or 'torch'; got {attention!r}")
         if attention == "triton" and not HAS_TRITON:
@@ -208,10 +198,12 @@ class CudaModelRunner(ModelRunner):
         self.graph_reason = "not configured"
         self.async_mode = False
         self.profile = bool(os.environ.get("CBNB_PROFILE_STEPS"))
+        self.sync_debug = os.environ.get("CBNB_SYNC_DEBUG") or None  # "warn" / "error": see `launch`
         # Capture the start-up shapes when the engine configures the runner (real CUDA graphs only by default).
         self.precapture = self.backend_kind == "cuda" and os.environ.get("CBNB_PRECAPTURE", "1") != "0"
         self.step_log: list[dict[str, Any]] = []
         self._pending_captures: list[tuple] = []  # start-up captures, reported with the next step's telemetry
+        self._pending_failures: list[Any] = []  # start-up capture failures, likewise
         self.carried = 0  # tokens substituted on the device from the previous step's output (async carry-over)
         self._turn = 0
         self._prev_rows: dict[str, int] = {}
@@ -273,6 +265,10 @@ class CudaModelRunner(ModelRunner):
         biggest = MetaLayout.for_shape(self.planner.max_shape())
         self.pairs = [IOPair(i, biggest.total, self.planner.max_seqs, self.device)
                       for i in range(2 if self.async_mode else 1)]
+        if self.graph_varlen or self.graph_decode:  # counted by the cache sizing (`cbnb.cache.sizing.graph_bytes`)
+            head = self.model.get_output_embeddings().weight
+            for pair in self.pairs:
+                pair.logits = torch.empty(self.planner.max_seqs, head.shape[0], dtype=head.dtype, device=self.device)
         self.graphs = GraphCache(self.graphs.backend)  # graphs bind the old pairs' addresses: start afresh
         self._turn = 0
         self._prev_rows = {}
@@ -330,6 +326,7 @@ class CudaModelRunner(ModelRunner):
                     if self.graph_capture(key, pair, shape, lay):
                         n += 1
                         self._pending_captures.append(key)
+                    self._pending_failures.extend(self.graphs.take_failures())
         if self.compute_stream is not None:
             self.compute_stream.synchronize()
         return n
@@ -340,11 +337,13 @@ class CudaModelRunner(ModelRunner):
 
     def describe(self) -> dict[str, Any]:
         """The effective GPU-path settings (what the config asked for may have been turned off, with the reason)."""
-        return {"backend": self.backend_kind, "attention": self.attention,
+        return {"backend": self.backend_kind, "attention": self.attention, "attention_reason": self.attention_reason,
                 "graphs": (self.graph_varlen, self.graph_decode), "graph_reason": self.graph_reason,
                 "async": self.async_mode, "async_reason": getattr(self, "async_reason", ""),
                 "io_pairs": len(self.pairs), "graphs_cached": len(self.graphs),
                 "captures": self.graphs.captures, "replays": self.graphs.replays, "carried_tokens": self.carried,
+                "capture_failures": {str(k): str(e) for k, e in self.graphs.failures.items()},
+                "eager_fallback_steps": self.graphs.eager_runs,
                 "q_interval": self.planner.q_interval if self.configured else None,
                 "kv_interval": self.planner.kv_interval if self.configured else None}
 
@@ -522,6 +521,9 @@ class CudaModelRunner(ModelRunner):
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, lidx)
         pair.out_dev[:shape.num_seqs].copy_(logits.argmax(-1))
+        if shape.padded and pair.logits is not None:  # a graph's output: the pair's static buffer
+            pair.logits[:logits.shape[0]].copy_(logits)
+            logits = pair.logits[:logits.shape[0]]
         return logits
 
     def _warmup(self, pair: IOPair, shape: StepShape, lay: MetaLayout) -> None:
@@ -555,6 +557,24 @@ class CudaModelRunner(ModelRunner):
         entries = work.plan.scheduled
         shape, lay, rows, kv_bytes = self._prepare(pair, entries)
         t2 = time.perf_counter()
+        samplers = [s for s in entries if s.samples]
+        key = (pair.index,) + shape.key if shape.padded else None
+        # CBNB_SYNC_DEBUG: any host synchronisation while queueing the step warns or raises (not while capturing,
+        # which synchronises by design).
+        capturing = key is not None and key not in self.graphs and key not in self.graphs.failures
+        with sync_debug(None if capturing else self.sync_debug):
+            graph, captured, events = self._queue(pair, shape, lay, key, samplers)
+        self._prev_rows = rows
+        self._prev_pair = pair
+        t3 = time.perf_counter()
+        timings.update(prepare=t2 - t1, forward=t3 - t2)
+        return _Launched(work, pair, samplers, timings, copied, shape, graph, captured,
+                         self.graphs.take_failures(), events, kv_bytes, t0)
+
+    def _queue(self, pair: IOPair, shape: StepShape, lay: MetaLayout, key: tuple | None,
+               samplers: list[Any]) -> tuple[bool, tuple | None, tuple | None]:
+        """H2D, compute (graph replay, capture or eager forward, then sampling) and D2H of a prepared step, queued
+        on the streams without waiting. Returns (a graph ran, key captured now, profiling events)."""
         n = lay.total
         cuda = self.compute_stream is not None
         if cuda:
@@ -564,30 +584,23 @@ class CudaModelRunner(ModelRunner):
             self.compute_stream.wait_event(pair.h2d_done)
         else:
             pair.dev[:n].copy_(pair.host[:n])
-        samplers = [s for s in entries if s.samples]
-        use_graph = shape.padded
+        graph = False
         captured = None
         events = None
         with maybe_stream(self.compute_stream):
             if cuda and self.profile:
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record(self.compute_stream)
-            if use_graph:
-                key = (pair.index,) + shape.key
+            if key is not None:
                 logits, cap = self.graphs.run(key, lambda: self._forward(pair, shape, lay),
                                               lambda: self._warmup(pair, shape, lay))
                 if cap:
                     captured = key
+                graph = key in self.graphs  # False: its capture failed, the step ran eagerly
             else:
                 logits = self._forward(pair, shape, lay)
-            for row, s in enumerate(samplers):
-                p = s.request.sampling
-                left = s.request.tokens_left
-                # A sample past max_new_tokens (async: the step in flight already produced the last token) is never
-                # applied: no draw, so the engine-wide generator advances exactly as in synchronous batching.
-                if p.do_sample and (left is None or left >= 0):
-                    g = self.sampler._gen(s.request_id, p)
-                    pair.out_dev[row:row + 1].copy_(_sample_row(logits[row], p, g))
+            # Greedy ids are in `out_dev` already (the captured argmax); sampling rows are drawn in one batched pass.
+            self.sampler.sample(logits, samplers, out=pair.out_dev[:len(samplers)])
             if cuda:
                 if events is not None:
                     events[1].record(self.compute_stream)
@@ -600,11 +613,7 @@ class CudaModelRunner(ModelRunner):
                 pair.d2h_done.record(self.d2h_stream)
         else:
             pair.out_host[:ns].copy_(pair.out_dev[:ns])
-        self._prev_rows = rows
-        self._prev_pair = pair
-        t3 = time.perf_counter()
-        timings.update(prepare=t2 - t1, forward=t3 - t2)
-        return _Launched(work, pair, samplers, timings, copied, shape, use_graph, captured, events, kv_bytes, t0)
+        return graph, captured, events
 
     def collect(self, launched: _Launched) -> CudaStepResult:
         """Wait for a launched step's sampled ids and return them."""
@@ -631,10 +640,12 @@ class CudaModelRunner(ModelRunner):
                                   "captured": launched.captured is not None})
         captured = self._pending_captures + ([launched.captured] if launched.captured is not None else [])
         self._pending_captures = []
-        counts = (len(captured), 1 if launched.graph else 0)
+        failed = [(f.key, str(f)) for f in self._pending_failures + launched.failed]
+        self._pending_failures = []
+        counts = (len(captured), 1 if launched.graph else 0, len(failed))
         return CudaStepResult({e.request_id: t for e, t in zip(launched.entries, toks)}, timings, launched.copied,
                               graph_counts=counts, backend=self.backend_name(launched.graph),
-                              graph_captured=captured, gpu_ms=gpu_ms)
+                              graph_captured=captured, graph_failed=failed, gpu_ms=gpu_ms)
 
     def execute(self, work: StepWork) -> CudaStepResult:
         """A synchronous step (`launch` then `collect`)."""

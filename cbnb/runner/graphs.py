@@ -23,6 +23,10 @@ A cache miss warms up with *neutral* metadata (every row padded: the real cache 
 the allocator warms), captures (nothing runs during a capture), then replays; a hit replays. Captures and replays are
 counted (`GraphCache.captures` / `.replays`). Graphs bind static addresses, so each IO pair has its own graphs (the pair
 index is part of the cache key) and all graphs share one memory pool.
+
+A capture that fails (the forward raises inside it, or the capture is invalidated, e.g. by a host synchronisation)
+ends the capture, keeps the original error as a `GraphCaptureError` naming the key (`GraphCache.failures`, counted in
+`.capture_failures`), and that shape runs eagerly from then on: the step that hit the failure included.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import torch
 
 __all__ = [
     "pad_to_interval", "next_pow2", "cdiv", "StepShape", "ShapePlanner", "MetaLayout", "IOPair",
-    "GraphBackend", "CudaGraphBackend", "FakeGraphBackend", "GraphCache", "graph_support",
+    "GraphBackend", "CudaGraphBackend", "FakeGraphBackend", "GraphCache", "GraphCaptureError", "capture_into",
+    "graph_support",
 ]
 
 
@@ -232,7 +237,9 @@ class MetaLayout:
 
 class IOPair:
     """One host/device IO pair: a packed int32 metadata buffer on the host (pinned on CUDA) and on the device, the
-    sampled-token buffers, and the events that order the H2D copy, the compute and the D2H copy.
+    sampled-token buffers, the static logits buffer its graphs write (`logits`, set by the runner when graphs are on:
+    one buffer for all of the pair's graphs, so captured outputs do not pile up in the graph pool), and the events
+    that order the H2D copy, the compute and the D2H copy.
 
     Args:
         index: the pair's index (0 or 1).
@@ -252,6 +259,7 @@ class IOPair:
         self.h2d_done = torch.cuda.Event() if cuda else None
         self.compute_done = torch.cuda.Event() if cuda else None
         self.d2h_done = torch.cuda.Event() if cuda else None
+        self.logits: torch.Tensor | None = None
         self._views: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def views(self, shape: StepShape, layout: MetaLayout) -> dict[str, torch.Tensor]:
@@ -280,6 +288,35 @@ class GraphBackend:
         raise NotImplementedError
 
 
+class GraphCaptureError(RuntimeError):
+    """A graph capture failed. `key` is the graph key; the original error is `error` (and ``__cause__``)."""
+
+    def __init__(self, key: tuple, error: BaseException) -> None:
+        super().__init__(f"CUDA graph capture failed for key {key}: {type(error).__name__}: {error}")
+        self.key = key
+        self.error = error
+
+
+def capture_into(graph: Any, fn: Callable[[], Any], **begin_kwargs: Any) -> tuple[Any, Any]:
+    """``graph.capture_begin(**begin_kwargs)``, ``fn()``, ``graph.capture_end()``; returns ``(graph, fn's output)``.
+
+    When `fn` raises, the capture is still ended (so the stream leaves capture mode) and `fn`'s error is re-raised:
+    an error of ``capture_end()`` (an invalidated capture raises there too) is only added to it as a note, never
+    raised in its place. When only ``capture_end()`` raises, that error is the cause and propagates.
+    """
+    graph.capture_begin(**begin_kwargs)
+    try:
+        out = fn()
+    except BaseException as e:
+        try:
+            graph.capture_end()
+        except Exception as end_error:
+            e.add_note(f"capture_end() raised as well: {type(end_error).__name__}: {end_error}")
+        raise
+    graph.capture_end()
+    return graph, out
+
+
 class CudaGraphBackend(GraphBackend):
     """`torch.cuda.CUDAGraph` capture on a side stream, one shared memory pool for all graphs."""
 
@@ -296,12 +333,7 @@ class CudaGraphBackend(GraphBackend):
         g = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self.stream):
-            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                out = fn()
-            finally:
-                g.capture_end()
-        return g, out
+            return capture_into(g, fn, pool=self.pool, capture_error_mode="thread_local")
 
     def replay(self, handle: Any) -> Any:
         g, out = handle
@@ -333,6 +365,8 @@ class GraphCache:
     Attributes:
         captures, replays: totals (a capture is followed by its first replay, counted as a replay).
         keys_captured: keys in capture order.
+        failures: key -> `GraphCaptureError` of each failed capture (that shape then runs eagerly);
+            capture_failures: their number; eager_runs: steps of a failed shape run eagerly.
     """
 
     def __init__(self, backend: GraphBackend) -> None:
@@ -341,6 +375,10 @@ class GraphCache:
         self.captures = 0
         self.replays = 0
         self.keys_captured: list[tuple] = []
+        self.failures: dict[tuple, GraphCaptureError] = {}
+        self.capture_failures = 0
+        self.eager_runs = 0
+        self._new_failures: list[GraphCaptureError] = []
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.graphs
@@ -348,29 +386,47 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self.graphs)
 
-    def capture(self, key: tuple, fn: Callable[[], Any], warmup: Callable[[], None] | None = None) -> bool:
-        """Capture `fn` for `key` without running it (a pre-capture at start-up). False when already cached."""
-        if key in self.graphs:
-            return False
+    def take_failures(self) -> list[GraphCaptureError]:
+        """The capture failures since the last call (for step telemetry)."""
+        out, self._new_failures = self._new_failures, []
+        return out
+
+    def _capture(self, key: tuple, fn: Callable[[], Any], warmup: Callable[[], None] | None) -> bool:
         if warmup is not None:
-            warmup()
-        self.graphs[key] = self.backend.capture(fn)
+            warmup()  # an error here is the forward's own (eager): it propagates
+        try:
+            handle = self.backend.capture(fn)
+        except Exception as e:
+            err = GraphCaptureError(key, e)
+            err.__cause__ = e
+            self.failures[key] = err
+            self.capture_failures += 1
+            self._new_failures.append(err)
+            return False
+        self.graphs[key] = handle
         self.captures += 1
         self.keys_captured.append(key)
         return True
 
+    def capture(self, key: tuple, fn: Callable[[], Any], warmup: Callable[[], None] | None = None) -> bool:
+        """Capture `fn` for `key` without running it (a pre-capture at start-up). False when already cached or
+        when the capture failed (recorded in `failures`)."""
+        if key in self.graphs or key in self.failures:
+            return False
+        return self._capture(key, fn, warmup)
+
     def run(self, key: tuple, fn: Callable[[], Any], warmup: Callable[[], None] | None = None) -> tuple[Any, bool]:
-        """Replay the graph for `key`, capturing `fn` first on a miss. Returns (outputs, captured now)."""
+        """Replay the graph for `key`, capturing `fn` first on a miss; a shape whose capture failed runs `fn`
+        eagerly. Returns (outputs, captured now); ``key in cache`` afterwards tells whether a graph ran."""
         handle = self.graphs.get(key)
         captured = False
         if handle is None:
-            if warmup is not None:
-                warmup()
-            handle = self.backend.capture(fn)
-            self.graphs[key] = handle
-            self.captures += 1
-            self.keys_captured.append(key)
-            captured = True
+            if key not in self.failures:
+                captured = self._capture(key, fn, warmup)
+            if not captured:
+                self.eager_runs += 1
+                return fn(), False
+            handle = self.graphs[key]
         out = self.backend.replay(handle)
         self.replays += 1
         return out, captured

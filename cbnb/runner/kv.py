@@ -21,7 +21,7 @@ from ..cache.layout import KVLayout
 from .malloc import tune_malloc
 
 if TYPE_CHECKING:
-    from ..core import StepWork
+    from ..plan import StepWork
 
 __all__ = ["KVStore"]
 

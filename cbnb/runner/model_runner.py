@@ -8,16 +8,15 @@ active and restored by `deactivate()`.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..cache.manager import CacheManager
-from ..core import StepWork
+from ..plan import StepResult, StepWork
 from .attention import ATTN_NAME, register
 from .batch import build_step_batch
 from .kv import KVStore
@@ -31,39 +30,25 @@ _ACTIVE_LOCK = threading.Lock()
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
-@dataclass
-class StepResult:
-    """Tokens sampled in a step (request_id -> token id) and where the time went (seconds)."""
-
-    tokens: dict[str, int]
-    timings: dict[str, float] = field(default_factory=dict)
-    copied_bytes: int = 0
-
-
 class ModelRunner:
-    """Executes `StepWork` on a model.
+    """Executes `StepWork` on a model (the CPU path; `cbnb.runner.factory.make_runner` picks the runner).
 
     Args:
         model: a transformers causal LM (eval mode).
         cache: the `CacheManager` (block tables, slots).
         store: the `KVStore` (tensors).
         seed: engine-wide sampling seed (`ContinuousBatchingConfig.seed`).
+
+    The engine loop relies on: `activate`/`deactivate`, `configured`/`configure(config)`, `async_mode` (False:
+    `execute(work)` runs a whole step; True: `launch(work)` then `collect(handle)`), `forget`, `inherit`.
     """
 
     #: The attention implementation this runner routes the model through.
     attention_name = ATTN_NAME
-
-    def __new__(cls, model: torch.nn.Module, cache: CacheManager, store: KVStore, *args, **kwargs):
-        # Factory: on a CUDA KV store, `ModelRunner(...)` builds the GPU runner (Triton attention, CUDA graphs, async
-        # batching; `cbnb.runner.cuda_runner`). CBNB_CUDA_RUNNER=0 keeps this CPU-path runner on CUDA (debugging);
-        # CBNB_CUDA_RUNNER=fake builds the GPU runner on any device (CPU smoke runs: fake graphs, torch attention).
-        mode = os.environ.get("CBNB_CUDA_RUNNER", "1")
-        on_cuda = getattr(getattr(store, "device", None), "type", None) == "cuda"
-        if cls is ModelRunner and mode != "0" and (on_cuda or mode == "fake"):
-            from .cuda_runner import CudaModelRunner
-
-            return super().__new__(CudaModelRunner)
-        return super().__new__(cls)
+    #: Synchronous steps only (the CUDA runner sets this once configured for async batching).
+    async_mode = False
+    #: Nothing to size before the first step (the CUDA runner needs `configure`).
+    configured = True
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
         register()
@@ -105,6 +90,18 @@ class ModelRunner:
                     self.model.set_attn_implementation(entry[1])
             self._previous_impl = None
 
+    def configure(self, config: Any) -> None:
+        """Nothing to configure on the CPU path (the CUDA runner sizes its static buffers here)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the model's attention is routed through this runner (between `activate` and `deactivate`)."""
+        return self._previous_impl is not None
+
+    def release(self) -> None:
+        """Drop the KV store: the engine frees its pool (before sizing a new one, or for good)."""
+        self.store = None
+
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
 
@@ -134,7 +131,7 @@ class ModelRunner:
             logits = logits.index_select(0, batch.logits_indices)
         t3 = time.perf_counter()
         entries = batch.sample_entries
-        toks = self.sampler.sample(logits, [e.request_id for e in entries], [e.request.sampling for e in entries])
+        toks = self.sampler.sample(logits, entries).tolist()
         t4 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
         return StepResult({e.request_id: t for e, t in zip(entries, toks)}, timings, copied)

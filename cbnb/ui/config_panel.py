@@ -233,7 +233,9 @@ class ConfigPanel(Panel):
                        budget_bytes=plan.budget_bytes, free_bytes=plan.free_bytes,
                        text=(f"{plan.num_blocks} blocks x {resolved.page_size} tokens = {plan.capacity_tokens:,} "
                              f"tokens; KV {fmt_bytes(split['kv_cache'])}, activations "
-                             f"{fmt_bytes(split['activations'])}, logits {fmt_bytes(split['logits'])}"))
+                             f"{fmt_bytes(split['activations'])}, logits {fmt_bytes(split['logits'])}"
+                             + (f", CUDA graphs {fmt_bytes(split['cuda_graphs'])}" if split.get("cuda_graphs") else
+                                "")))
             code = cand.to_code()
         except (ValueError, MemoryError) as e:
             mem["error"] = str(e)

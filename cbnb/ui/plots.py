@@ -75,7 +75,8 @@ class LivePlotsPanel(Panel):
     2. requests left out per step, stacked by reason (`cbnb.scheduler.SkipReason`);
     3. KV usage by blocks and by tokens (% of the cache);
     4. prefix-cache hits in this run: tokens served, and their share of prompt tokens (%);
-    5. offloads (swaps), soft resets and restores in this run, and CUDA-graph captures and replays (0 on CPU);
+    5. offloads (swaps), soft resets and restores in this run, and CUDA-graph captures and replays (0 on CPU), with
+       the failed captures (their shapes run eagerly) when there are any;
     6. throughput (output and prefill tokens/s) and the median TTFT and TPOT (ms).
 
     "This run" is since `engine.reset_stats()`: the Config panel's Apply and this panel's "New run" button reset it.
@@ -138,6 +139,7 @@ class LivePlotsPanel(Panel):
             "prefix_hit_tokens": run["prefix_hit_tokens"], "prefix_hit_pct": run["prefix_hit_rate_pct"],
             "swaps": run["swaps"], "soft_resets": run["soft_resets"], "restores": run["restores"],
             "graph_captures": run["cuda_graph_captures"], "graph_replays": run["cuda_graph_replays"],
+            "graph_capture_failures": run.get("cuda_graph_capture_failures", 0),
             "kv_blocks_pct": row["kv_blocks_pct"], "kv_tokens_pct": row["kv_tokens_pct"],
             "steps": run["steps"], "finished": run["requests_finished"],
         }

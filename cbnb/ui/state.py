@@ -12,6 +12,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..plan import SkipReason
+
 __all__ = [
     "STATE_NAMES", "TERMINAL_STATES", "TextTracker", "request_rows", "stream_items", "StepSeries", "TimeSeries",
     "encode_kv", "kv_block_details", "SKIP_REASONS", "fmt_bytes",
@@ -20,13 +22,8 @@ __all__ = [
 STATE_NAMES = ("PENDING", "PREFILLING", "DECODING", "FINISHED", "FAILED", "CANCELLED")
 TERMINAL_STATES = frozenset({"FINISHED", "FAILED", "CANCELLED"})
 
-try:  # the scheduler is torch-free; its reasons name the stacked bars
-    from ..scheduler import SkipReason
-
-    SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
-except Exception:  # pragma: no cover - keeps the UI importable if the scheduler changes
-    SKIP_REASONS = ("token_budget", "cache_budget", "request_cap", "safety_margin", "no_free_blocks",
-                    "offload_backoff")
+#: The scheduler's skip reasons (`cbnb.plan.SkipReason`, plain data), which name the stacked bars.
+SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
 
 
 def _state_name(state: Any) -> str:
@@ -106,7 +103,7 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
 
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
-                 "prefix_cached_tokens", "offloads", "soft_resets", "error")
+                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason")
 
 
 def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[list[Any]], dict[str, int], int]:
@@ -132,7 +129,7 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[
             r.request_id, _state_name(r.state), len(r.token_ids), r.max_new_tokens,
             len(r.prompt_token_ids), None if ttft is None else round(ttft * 1000, 1),
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
-            int(r.num_soft_resets), r.error or "",
+            int(r.num_soft_resets), r.error or "", getattr(r, "warning", None) or "", r.finish_reason or "",
         ])
     return rows, counts, hidden
 
@@ -285,8 +282,8 @@ def encode_kv(snapshot: Any) -> tuple[list[dict[str, Any]], bytes]:
     """Encode a `KVSnapshot` compactly for the page map: one byte per block.
 
     Returns:
-        (per-group metadata: index, attention_type, page_size, num_layers, num_blocks, offset into the bytes,
-        padding_blocks, counts per state name; the cells of all groups concatenated, uint8, state code in bits
+        (per-group metadata: index, attention_type, page_size, num_layers, num_blocks (reserved ones included),
+        usable_blocks, reserved_blocks, offset into the bytes, padding_blocks, counts per state name; the cells of all groups concatenated, uint8, state code in bits
         0-2 and min(refcount, 31) in bits 3-7).
     """
     from ..cache.snapshot import BlockState
@@ -302,6 +299,7 @@ def encode_kv(snapshot: Any) -> tuple[list[dict[str, Any]], bytes]:
         meta.append({
             "index": int(g.index), "attention_type": str(g.attention_type), "page_size": int(g.page_size),
             "num_layers": int(g.num_layers), "num_blocks": int(g.num_blocks), "offset": offset,
+            "usable_blocks": int(g.usable_blocks), "reserved_blocks": int(g.reserved_blocks),
             "padding_blocks": [int(b) for b in g.padding_blocks],
             "counts": {name: int(counts[i]) for i, name in enumerate(BlockState.NAMES)},
             "tokens_filled": int(g.tokens.sum()),

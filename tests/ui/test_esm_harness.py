@@ -77,7 +77,7 @@ def test_kvmap_draws_100k_blocks_and_hover_asks_for_owner(page):
         return {w: c.width, h: c.height}; }""")
     assert info["w"] > 0 and info["h"] > 0
     title = page.locator(".cbnb-kv-group-title").text_content()
-    assert "100,000 blocks" in title and "full_attention" in title
+    assert "99,998 blocks + 2 reserved padding" in title and "full_attention" in title
     legend = page.locator(".cbnb-kvmap .cbnb-legend").text_content()
     assert "reserved padding: 2" in legend
     # Hover block 5: the panel asks Python for its owner; the answer shows in the tooltip.
@@ -127,6 +127,12 @@ def test_config_slider_keys_edit_values_and_apply_sends(page, tiny_engine):
     py_set(page, "code", panel.code)
     assert "max_batch_tokens=96" in page.locator(".cbnb-config .cbnb-code").text_content()
     assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=kv_cache]").count() == 2
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 0  # CPU: no graph memory
+    gpu = {**panel.memory, "proposed": {**panel.memory["proposed"], "cuda_graphs": 3 << 28}}
+    py_set(page, "memory", gpu)  # a CUDA engine's preview: the graphs' share is its own segment and legend entry
+    assert page.locator(".cbnb-memory .cbnb-mem-seg[data-part=cuda_graphs]").count() == 1
+    assert "CUDA graphs 0 B → 768.0 MiB" in page.locator(".cbnb-memory .cbnb-legend").text_content()
+    py_set(page, "memory", panel.memory)
     page.locator(".cbnb-config .cbnb-apply").click()
     m = sent(page)[-1]
     assert m["kind"] == "apply" and m["values"]["max_batch_tokens"] == 96
@@ -172,6 +178,32 @@ def test_submit_and_stream_buttons_send_messages(page, tiny_engine):
     assert sent(page)[-1] == {"kind": "cancel", "id": "req-1"}
 
 
+def test_board_shows_errors_and_admission_warnings(page, tiny_engine):
+    from cbnb.requests import RequestOutput, RequestState
+    from cbnb.ui.board import RequestBoardPanel
+    from cbnb.ui.state import request_rows
+
+    warn = "exceeds the KV cache: 40 prompt tokens + max_new_tokens=500 = 540 tokens, but it holds at most 64 tokens"
+    outs = [RequestOutput("req-a", [1] * 40, [5] * 3, state=RequestState.DECODING, warning=warn, max_new_tokens=500),
+            RequestOutput("req-b", [1] * 40, [5] * 25, state=RequestState.FINISHED, warning=warn,
+                          finish_reason="cache_exhausted", max_new_tokens=500),
+            RequestOutput("req-c", [1] * 9, [], state=RequestState.FAILED, error="boom", finish_reason="error")]
+    board = RequestBoardPanel(tiny_engine, autostart=False)
+    board.rows, board.counts, board.hidden = request_rows(outs)
+    mount(page, board)
+    page.wait_for_selector(".cbnb-board tr[data-id=req-a]")
+    cell = page.locator(".cbnb-board tr[data-id=req-a] td.cbnb-col-error")
+    assert cell.text_content().startswith("⚠ exceeds the KV cache") and "cbnb-warning" in cell.get_attribute("class")
+    assert cell.get_attribute("title") == warn
+    ended = page.locator(".cbnb-board tr[data-id=req-b] td.cbnb-col-error").text_content()
+    assert ended.startswith("⚠ ended cache_exhausted: exceeds the KV cache")
+    failed = page.locator(".cbnb-board tr[data-id=req-c] td.cbnb-col-error")
+    assert failed.text_content() == "boom" and "cbnb-warning" not in (failed.get_attribute("class") or "")
+    headers = page.locator(".cbnb-board th").all_text_contents()
+    assert "error / warning" in headers and "warning" not in headers and "finish_reason" not in headers
+    page.screenshot(path=str(ARTIFACTS / "harness-board-warnings.png"))
+
+
 def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     from cbnb.ui.plots import LivePlotsPanel, plotly_lib
 
@@ -198,5 +230,12 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     text = page.locator(".cbnb-plots").text_content()
     assert "CUDA graphs: 0 captures, 0 replays (cpu: graphs off)" in text
     cost = page.evaluate("() => document.querySelector('.cbnb-plot-grid').__cbnbDrawAt.map(d => d[1])")
+    # a failed capture (its shape runs eagerly) shows in the graph chart and the summary line
+    py_set(page, "summary", {**plots.summary, "device": "cuda", "graphs_enabled": True, "graph_captures": 5,
+                             "graph_replays": 40, "graph_capture_failures": 2})
+    page.wait_for_function("() => document.querySelector('.cbnb-plots').textContent.includes("
+                           "'CUDA graphs: 5 captures, 40 replays, 2 failed captures (those shapes run eagerly)')",
+                           timeout=30_000)
+    assert "CUDA graphs 5/40 (2 failed: eager)" in page.locator(".cbnb-plots").text_content()
     (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)

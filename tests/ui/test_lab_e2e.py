@@ -126,9 +126,9 @@ def test_panels_render(session):
     page.wait_for_function("""() => Array.from(document.querySelectorAll(
         '.cbnb-stream-item[data-state=FINISHED] .cbnb-stream-text')).some(e => e.textContent.trim().length > 0)""",
                            timeout=30_000)
-    # The page map shows the engine's blocks: 256 + the two reserved padding blocks.
+    # The page map shows the engine's blocks: num_blocks=256, and the two reserved padding blocks on top.
     title = page.locator(".cbnb-kv-group-title").first.text_content()
-    assert "258 blocks" in title, title
+    assert "256 blocks + 2 reserved padding" in title, title
     # plots have data from the notebook's run
     n = page.evaluate("() => document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x.length")
     assert n > 0
