@@ -75,12 +75,12 @@ def test_runner_static_logits_match_the_sizing():
     r = CudaModelRunner(eng.model, eng.cache, eng.store, attention="torch")
     r.configure(eng.config, use_cuda_graph=True, use_async_batching=True)
     a = eng.store.layout.itemsize
-    vocab = eng._spec["vocab_size"]
+    vocab = eng._builder.spec["vocab_size"]
     held = sum(p.logits.numel() * p.logits.element_size() for p in r.pairs)
     assert held == 2 * 16 * vocab * a
-    total = graph_bytes(eng._spec, a, max_batch_tokens=64, max_requests_per_batch=16, cuda_graphs=(True, True),
+    total = graph_bytes(eng._builder.spec, a, max_batch_tokens=64, max_requests_per_batch=16, cuda_graphs=(True, True),
                         io_pairs=len(r.pairs))
-    assert total == held + 16 * vocab * a + 64 * per_token_activations(eng._spec, a)
+    assert total == held + 16 * vocab * a + 64 * per_token_activations(eng._builder.spec, a)
     r.configure(eng.config, use_cuda_graph=False, use_async_batching=False)
     assert all(p.logits is None for p in r.pairs)
     assert eng.memory_split()["cuda_graphs"] == 0  # a CPU engine sizes no graph memory
