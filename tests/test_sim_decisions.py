@@ -1,7 +1,9 @@
-"""The simulator makes the real engine's decisions: for requests all submitted before the engine starts, its sequence
-of StepPlanned records (scheduled ids, query tokens, start positions, prefix hits, skip reasons, stalls) and its
-offloads equal `cbnb.Engine`'s, with tiny models, under configs that force chunking, prefix hits, swaps, soft resets,
-both schedulers, a hybrid (sliding + full) model, and async batching (the CUDA runner on CPU with fake graphs)."""
+"""The simulator makes the real engine's decisions and records them the same way: for requests all submitted before
+the engine starts, its sequence of StepPlanned records (scheduled ids, query tokens, start positions, prefix hits,
+skip reasons, stalls), its offloads, and indeed its whole event log (every record, type by type, in order, apart from
+times) equal `cbnb.Engine`'s, and its `stats()` has the same keys, with tiny models, under configs that force
+chunking, prefix hits, swaps, soft resets, both schedulers, a hybrid (sliding + full) model, and async batching (the
+CUDA runner on CPU with fake graphs)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,22 @@ def decisions(events: cbnb.events.EventLog) -> tuple[list, list]:
     return plans, offloads
 
 
+# Fields that hold times (the real engine's are wall seconds, the simulator's simulated seconds) or say how a step ran.
+_TIME_FIELDS = {"t", "at", "ttft_s", "e2e_s", "queue_s", "schedule_s", "offload_copy_s", "prepare_s", "forward_s",
+                "sample_s", "update_s", "backend"}
+
+
+def timeless(events: cbnb.events.EventLog) -> list[dict]:
+    """Every event as a dict without its times; CUDA-graph records are left out (the simulator captures none)."""
+    return [{k: v for k, v in e.to_dict().items() if k not in _TIME_FIELDS} for e in events.events()
+            if e.kind != "cuda_graph"]
+
+
+def key_tree(d):
+    return {k: key_tree(v) if isinstance(v, dict) and k not in ("offloads_by_path", "offloads_by_reason") else None
+            for k, v in d.items()}
+
+
 def run_real(name: str, cfg, prompts, n, async_: bool = False):
     eng = cbnb.Engine(tiny_model(name), config=cfg)
     if async_:
@@ -59,6 +77,7 @@ def run_real(name: str, cfg, prompts, n, async_: bool = False):
               for i, (p, k) in enumerate(zip(prompts, ns))]
     outs = [h.result(TIMEOUT) for h in hs]
     eng.stop(drain=True)
+    run_real.last = eng
     return decisions(eng.events), outs, eng.config
 
 
@@ -67,7 +86,7 @@ def run_sim(name: str, cfg, prompts, n, async_: bool = False):
     sim = SimEngine(shape, TEST_CPU, cfg, async_batching=async_)
     ns = n if isinstance(n, list) else [n] * len(prompts)
     for i, (p, k) in enumerate(zip(prompts, ns)):
-        sim.submit(p, k, request_id=f"r{i}")
+        sim.submit(p, k, eos_token_id=-1, request_id=f"r{i}")
     sim.run()
     return decisions(sim.events), sim.outputs(), sim
 
@@ -101,6 +120,13 @@ def test_step_plans_and_offloads_equal_the_real_engine(case):
     assert sim_offloads == real_offloads
     assert [(o.request_id, o.state, len(o.token_ids)) for o in sim_outs] == [
         (o.request_id, o.state, len(o.token_ids)) for o in real_outs]
+    real = run_real.last
+    real_events, sim_events = timeless(real.events), timeless(sim.events)
+    assert [e["kind"] for e in sim_events] == [e["kind"] for e in real_events]
+    for a, b in zip(real_events, sim_events):
+        assert b == a
+    assert key_tree(sim.stats()) == key_tree(real.stats())
+    assert sim.stats()["run"]["output_tokens"] == real.stats()["run"]["output_tokens"]
     # The case exercises what it claims.
     taken = [t for p in real_plans for t in p[2]]
     if case == "chunking+prefix":
@@ -125,6 +151,7 @@ def test_async_batching_plans_equal_the_real_async_engine():
     assert sim.async_batching
     assert sim_plans == real_plans
     assert sim_offloads == real_offloads
+    assert timeless(sim.events) == timeless(run_real.last.events)
     assert any(s[0] == "finishing" for p in real_plans for s in p[3]), "no async 'finishing' skip exercised"
     assert [(o.request_id, len(o.token_ids)) for o in sim_outs] == [(o.request_id, len(o.token_ids))
                                                                       for o in real_outs]

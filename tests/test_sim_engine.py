@@ -25,8 +25,9 @@ def test_cache_is_sized_by_the_engines_code_from_the_profile():
     want = plan_cache(shape.layout(r.page_size), shape.kv_spec(), max_batch_tokens=r.max_batch_tokens,
                       max_requests_per_batch=r.max_requests_per_batch, max_memory_percent=r.max_memory_percent,
                       free_bytes=prof.memory_bytes - prof.reserved_bytes - shape.weight_bytes(),
-                      weight_bytes=shape.weight_bytes())
+                      weight_bytes=shape.weight_bytes(), cuda_graphs=(True, True), io_pairs=2)
     assert sim.memory == want and sim.config.num_blocks == want.num_blocks
+    assert want.graph_bytes > 0 and sim.memory_split()["cuda_graphs"] == want.graph_bytes  # the CUDA runner's graphs
     assert sim.memory_split()["weights"] == shape.weight_bytes() == 2 * 8_030_261_248
     # More memory, more blocks; a smaller max_memory_percent, fewer.
     assert SimEngine("llama-3.1-8b", "h200").config.num_blocks > sim.config.num_blocks
@@ -54,8 +55,17 @@ def test_what_does_not_fit_is_a_clear_error():
         sim.submit([151936])
     with pytest.raises(ValueError, match="max positions"):
         sim.submit([5] * 40960)
+    with pytest.raises(TypeError, match="holds a bool"):
+        sim.submit([True, 5])
+    with pytest.raises(ValueError, match="temperature"):
+        sim.submit([5, 6], 3, temperature=-1.0)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        sim.submit("text needs a tokenizer")
     sim.submit([5, 6], 3, request_id="a")
     with pytest.raises(ValueError, match="already in use"):
+        sim.submit([5, 6], 3, request_id="a")
+    sim.run()
+    with pytest.raises(ValueError, match="already in use"):  # also once it has ended
         sim.submit([5, 6], 3, request_id="a")
 
 
@@ -71,6 +81,7 @@ def test_sync_clock_requests_and_stats_are_in_simulated_seconds():
         assert b.start_s == pytest.approx(a.end_s)
     ends = {s.step_id: s.end_s for s in sim.steps}
     plans = sim.events.events("step_planned")
+    assert [e.t for e in plans] == [s.start_s for s in sim.steps]  # events carry simulated seconds
     # Each request's first token is stamped at the end of the step that produced it (virtual seconds).
     for o in outs:
         assert o.timings.queued == 0.0
@@ -79,7 +90,8 @@ def test_sync_clock_requests_and_stats_are_in_simulated_seconds():
     assert st["run"]["output_tokens"] == 16 and st["run"]["requests_finished"] == 3
     assert st["run"]["span_s"] == pytest.approx(sim.now)
     assert st["run"]["ttft_s"]["max"] == pytest.approx(max(o.timings.ttft_s for o in outs))
-    assert st["sim"]["steps"] == len(sim.steps) == len(plans)
+    assert sim.sim_stats()["steps"] == len(sim.steps) == len(plans)
+    assert st["run"]["time_by_phase_s"]["forward"] > 0 and st["cumulative"]["output_tokens"] == 16
     assert sim.snapshot() is not None and sim.requests_snapshot()[-1].request_id == outs[-1].request_id
     sim.reset_stats()
     assert sim.stats()["run"]["steps"] == 0
@@ -87,7 +99,7 @@ def test_sync_clock_requests_and_stats_are_in_simulated_seconds():
 
 def test_cancel_and_plan_memory():
     sim = SimEngine("qwen3-0.6b", "l4", ContinuousBatchingConfig(page_size=16))
-    a, b = sim.submit([5] * 40, 30), sim.submit([6] * 40, 30)
+    a, b = sim.submit([5] * 40, 30).request_id, sim.submit([6] * 40, 30).request_id
     sim.run(max_steps=3)
     assert sim.cancel(a) and not sim.cancel(a) and not sim.cancel("nope")
     sim.run()

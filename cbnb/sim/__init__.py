@@ -4,7 +4,9 @@
 - `HardwareProfile` / `load_profile`: a device's memory, FLOP/s, bandwidths and overheads (datasheet GPUs, and
   ``cpu`` measured here by `calibrate()`);
 - `CostModel`: seconds per step from the step's plan (a per-operator roofline plus overheads);
-- `SimEngine`: the real `cbnb.core.EngineCore` on a virtual clock, costed by the `CostModel`.
+- `SimEngine`: the real `cbnb.core.EngineCore` on a virtual clock, costed by the `CostModel`, with `cbnb.Engine`'s
+  read API, events and statistics (so `cbnb.ui.Dashboard(sim)` works); caller-driven (`run`, `run_until`) or on a
+  playback thread (`start(speed=...)`).
 
 `calibrate()` measures this machine (it uses torch when installed); everything else imports without torch.
 """
@@ -14,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from .cost import CostModel, RowLoad, StepCost, StepLoad
-from .engine import SIM_TOKEN, SimEngine, SimStep
+from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationStuck
 from .profiles import PROFILE_NAMES, HardwareProfile, load_profile
 from .shapes import SHAPE_NAMES, ModelShape, load_shape
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "HardwareProfile", "load_profile", "PROFILE_NAMES", "CostModel",
-           "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SIM_TOKEN", "calibrate"]
+           "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck",
+           "SIM_TOKEN", "calibrate"]
 
 
 def calibrate(*args: Any, **kwargs: Any):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from ._together import submitted_together
 from .calibrate import _ROWS, _ATT_ROWS, _median_time, _positive
 from .shapes import ModelShape
 
@@ -251,18 +251,13 @@ def _decode_step_s(model: Any, rows: int, steps: int) -> float:
 
     cfg = ContinuousBatchingConfig(page_size=256, num_blocks=rows + 4, max_batch_tokens=512)
     eng = Engine(model, config=cfg)
-    gate = threading.Event()
-    drain = eng._drain
-    eng._drain = lambda: (gate.wait(60), drain())[1]  # every request lands in the first loop turn
-    eng.start()
     try:
-        handles = [eng.submit(list(range(10, 18)), max_new_tokens=steps + 1, eos_token_id=-1) for _ in range(rows)]
-        eng._drain = drain
-        gate.set()
+        with submitted_together(eng, timeout=60):  # every request lands in the first loop turn
+            handles = [eng.submit(list(range(10, 18)), max_new_tokens=steps + 1, eos_token_id=-1)
+                       for _ in range(rows)]
         for hd in handles:
             hd.result(timeout=600)
     finally:
-        gate.set()
         eng.stop()
     plans = {e.step: e for e in eng.events.events("step_planned")}
     times = [e.t - plans[e.step].t for e in eng.events.events("step_timing")

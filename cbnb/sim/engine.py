@@ -1,59 +1,84 @@
 """`SimEngine`: cbnb's own core on a virtual clock, costed by `CostModel` instead of a model forward (torch-free).
 
 The decisions are cbnb's by construction: `SimEngine` drives the real `cbnb.core.EngineCore` (the same schedulers,
-cache manager, prefix index, offload policy), sizes the cache with the same sizing code
-(`cbnb.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, and follows
-the engine loop step for step:
+cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
+(`cbnb.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
+prompts and arguments with `cbnb.prompts`, records events and statistics with the engine's `cbnb.telemetry.Recorder`,
+and runs the engine loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs,
+or ``async_batching=True``) where step N+1 is planned and launched before step N is applied. So the same workload
+gives the same StepPlanned records, the same event types in the same order and the same `stats()` keys as
+`cbnb.Engine`; only times differ (simulated seconds, from the cost model).
 
-- synchronous: ``schedule -> (copies, forward, sample) -> apply``; the clock advances by the step's predicted time;
-- async batching (a GPU profile with CUDA graphs, or ``async_batching=True``): step N+1 is scheduled and launched
-  before step N is applied, exactly as `cbnb.Engine`'s async loop; the host part of step N+1 overlaps the device part
-  of step N on the virtual timeline.
+Every sample is the token `SIM_TOKEN` and EOS never ends a request, so a request generates exactly its
+`max_new_tokens` (None: up to the model's max positions). Sampling arguments are validated as `Engine.submit` does
+but change nothing (sampling is costed as greedy).
 
-Every sample is the token `SIM_TOKEN` and requests ignore EOS (as the standard workloads do), so a request generates
-exactly its `max_new_tokens`. Requests, their state changes and token times carry virtual seconds (the core's clock).
+Three ways to run it:
 
-Skeleton status (issue 13, phase 1): requests are submitted before `run()` (token ids only). Arrival times and the
-driver come with the tuning lab's driver and run log (issue 12); the events and stats will come from the shared,
-torch-free telemetry recorder that `cbnb.Engine` uses (issue 10). Until then `events` holds StepPlanned and Offload
-records and `stats()` the real `RunStats` fed with virtual times.
+- caller-driven (default): `run()` (until every submitted request has ended), `run_until(t)` (simulated seconds),
+  `generate(...)`, or a handle's `result()`, which runs the simulation until that request ends;
+- `start()`: on its own thread, as fast as possible (the clock jumps over idle gaps), like `cbnb.Engine`;
+- `start(speed=x)`: on its own thread at x times simulated time, so `cbnb.ui.Dashboard(sim)` animates.
+
+Arrival times: ``submit(..., arrival_s=t)`` queues a request that reaches the engine at simulated second ``t``;
+arrival times must not decrease from one submission to the next, and never lie before the clock (a `ValueError`
+naming ``arrival_s``). Without `arrival_s` a request arrives now.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
+import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..cache.manager import CacheManager
 from ..cache.sizing import MemoryPlan, plan_memory
-from ..cache.snapshot import KVSnapshot, kv_snapshot, kv_usage
+from ..cache.snapshot import KVSnapshot, kv_snapshot
 from ..config import ContinuousBatchingConfig
-from ..core import EngineCore, StepWork
-from ..events import Event, EventLog, Offload, StepPlanned
-from ..requests import Request, RequestOutput, SamplingParams
-from ..stats import RunStats
-from .cost import CostModel, StepCost, StepLoad
+from ..core import EngineCore
+from ..handle import HandleTable, RequestHandle, check_timeout
+from ..prompts import prompt_ids, sampling_params, split_batch
+from ..requests import Request, RequestOutput, RequestState
+from ..telemetry import Recorder
+from .cost import CostModel
+from .loop import SIM_TOKEN, SimStep, SimulationStuck, VirtualLoop
+from .playback import Playback, check_speed
 from .profiles import HardwareProfile, load_profile
 from .shapes import ModelShape, load_shape
 
-__all__ = ["SimEngine", "SimStep", "SIM_TOKEN"]
+__all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SIM_TOKEN"]
 
-#: The token id every simulated sample produces (requests ignore EOS, so its value never ends a request).
-SIM_TOKEN = 42
 _UNLIMITED_HOST = 1 << 60
 
 
 @dataclass(frozen=True)
-class SimStep:
-    """One simulated step: its virtual span (seconds) and the predicted cost."""
+class SimDevice:
+    """Where a `SimEngine` pretends to run: `type` as a torch device type ("cuda", "cpu"), and the profile's name."""
 
-    step_id: int
-    start_s: float
-    end_s: float
-    cost: StepCost
+    type: str
+    profile: str
+
+    def __str__(self) -> str:
+        return f"sim:{self.profile}"
+
+
+class SimHandle(RequestHandle):
+    """`cbnb.RequestHandle` of a simulated request. Unlike the real engine's, `result()` on an engine that is not
+    running a thread runs the simulation (caller-driven) until this request has ended."""
+
+    def __init__(self, request: Request, sim: "SimEngine") -> None:
+        super().__init__(request, None, sim.cancel)
+        self._drive = weakref.WeakMethod(sim._drive_until)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        drive = self._drive()
+        if not self.done() and drive is not None:
+            drive(self.done)
+        return super().result(timeout)
 
 
 class SimEngine:
@@ -65,13 +90,20 @@ class SimEngine:
         config: a `ContinuousBatchingConfig` (default: transformers' defaults), resolved for the profile's device.
         dtype: weights/KV dtype (default: the shape's).
         async_batching: override the resolved `use_async_batching` (None: keep it).
-        telemetry: record `events`.
+        telemetry: record typed events in `events` (as `cbnb.Engine`).
         event_log_size: events retained.
+
+    Attributes (as `cbnb.Engine`'s): config, user_config, layout, memory, cache, core, events, device, vocab_size,
+    max_positions, weight_bytes, tokenizer (None: prompts are token ids); and `now` (the virtual clock, seconds),
+    `steps` (`SimStep` per executed step).
 
     Raises:
         ValueError: an unknown shape or profile (named), or a bad config value.
         MemoryError: the weights or the configured cache do not fit the profile's memory.
     """
+
+    tokenizer = None
+    default_eos: frozenset[int] = frozenset()
 
     def __init__(self, shape: Any, profile: Any, config: ContinuousBatchingConfig | None = None, *,
                  dtype: Any = None, async_batching: bool | None = None, telemetry: bool = True,
@@ -80,38 +112,31 @@ class SimEngine:
         self.profile: HardwareProfile = load_profile(profile)
         if config is not None and not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
-        self.user_config = config or ContinuousBatchingConfig()
         self.weight_bytes = self.shape.weight_bytes()
-        resolved, memory, swap = self.plan_memory(self.user_config)
-        layout = self.shape.layout(resolved.page_size)
-        self.config: ContinuousBatchingConfig = resolved
-        self.layout = layout
-        self.memory: MemoryPlan = memory
-        self.swap_sectors = swap
-        self.async_batching = bool(resolved.use_async_batching if async_batching is None else async_batching)
         self.max_positions = self.shape.max_position_embeddings
+        self.vocab_size = self.shape.vocab_size
+        self.device = SimDevice(self.profile.device_type, self.profile.name)
         self.telemetry = bool(telemetry)
-        self.events = EventLog(event_log_size)
-        # TODO(issue 10): the shared telemetry recorder becomes the cache's `sink` (cache events) and records
-        # StepPlanned/Offload/StepTiming and the stats exactly as cbnb.Engine does; `_plan_event` below goes then.
-        self.cache = CacheManager(layout, memory.num_sectors, allow_block_sharing=resolved.allow_block_sharing,
-                                  prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=None)
-        self.now = 0.0  # the virtual clock (seconds)
-        self.core = EngineCore(resolved, self.cache, on_terminal=self._on_terminal, clock=self._clock)
-        self.cost = CostModel(self.shape, self.profile, resolved)
-        self.steps: list[SimStep] = []
-        self._stats = RunStats()
-        self._kv_sample_t: float | None = None
-        self._outputs: dict[str, RequestOutput] = {}
+        self._async_override = async_batching
+        self._lock = threading.RLock()
+        self._handles = HandleTable()
+        self.recorder = Recorder(self.telemetry, event_log_size, clock=self._clock)
+        self._loop = VirtualLoop(self.recorder, self._deliver)
+        self._ended: dict[str, Request] = {}  # every ended request, for `outputs()`
         self._order: list[str] = []
-        self._recent: "collections.deque[RequestOutput]" = collections.deque(maxlen=256)
+        self._recent: deque[Request] = deque(maxlen=256)
         self._ids = itertools.count()
-        self.wall_s = 0.0  # host seconds spent simulating
-        self.schedule_wall_s = 0.0  # of which in the core's schedule()
+        self._last_arrival = 0.0
+        self._playback: Playback | None = None
+        self._state = "created"
+        self.error: BaseException | None = None
+        self.wall_s = 0.0  # host seconds spent in run()/run_until()
+        self._install(config or ContinuousBatchingConfig())
 
     def _clock(self) -> float:
-        return self.now
+        return self._loop.now
 
+    # ------------------------------------------------------------------------------------------ parts
     def plan_memory(self, config: ContinuousBatchingConfig) -> tuple[ContinuousBatchingConfig, MemoryPlan, int]:
         """Resolve `config` for the profile's device and size its cache, allocating nothing (as `Engine.plan_memory`).
 
@@ -134,203 +159,362 @@ class SimEngine:
             cuda_graphs_supported=self.profile.kind == "gpu")
         return resolved, memory, swap
 
-    # ------------------------------------------------------------------------------------------ requests
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None,
-               request_id: str | None = None) -> str:
-        """Queue one request (token ids). Returns its request id.
+    def _install(self, config: ContinuousBatchingConfig, carry: Sequence[Request] = ()) -> None:
+        resolved, memory, swap = self.plan_memory(config)
+        layout = self.shape.layout(resolved.page_size)
+        cache = CacheManager(layout, memory.num_sectors, allow_block_sharing=resolved.allow_block_sharing,
+                             prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=self.recorder.sink)
+        core = EngineCore(resolved, cache, on_terminal=self._on_terminal, clock=self._clock)
+        self.user_config, self.config, self.layout, self.memory, self.swap_sectors = (
+            config, resolved, layout, memory, swap)
+        ov = self._async_override
+        self.async_batching = bool(resolved.use_async_batching if ov is None else ov)
+        self._loop.install(core, cache, layout, CostModel(self.shape, self.profile, resolved), self.async_batching)
+        for req in carry:
+            self.recorder.admit(core, req, resume=True)
+        self.recorder.flush()
+
+    def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
+        """Apply a new config (as `Engine.reconfigure`): unfinished requests restart from their prompt and the tokens
+        generated so far in the new cache; requests yet to arrive keep their arrival times. Returns the resolved config.
 
         Raises:
-            ValueError: an empty prompt, ids outside [0, vocab_size), a duplicate id, or no room to generate within
-                the model's max positions (same rules as `cbnb.Engine.submit`).
+            ValueError / MemoryError: the new config cannot be applied (the old one stays in force).
+            TimeoutError: the playback thread did not let go within `timeout` seconds.
         """
-        # TODO(issue 12): arrival times and the driver; until then every request arrives at the current time.
-        ids = [int(i) for i in prompt_ids]
-        if not ids:
-            raise ValueError("prompt must contain at least one token; got an empty prompt")
-        bad = [i for i in ids if i < 0 or i >= self.shape.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.shape.vocab_size})")
-        cap = None
-        if self.max_positions:
-            cap = self.max_positions - len(ids)
-            if cap < 1:
-                raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: the model's max positions "
-                                 f"are {self.max_positions}")
-            if max_new_tokens is not None and max_new_tokens > cap:
-                max_new_tokens = cap
-        rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
-        if rid in self.core.requests or rid in self._outputs:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        sp = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        req = Request(rid, ids, sp, max_new_tokens_cap=cap, now=self.now)
-        self._order.append(rid)
-        self.core.add(req)
-        return rid
+        if not isinstance(config, ContinuousBatchingConfig):
+            raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
+        timeout = check_timeout(timeout)
+        self.plan_memory(config)  # refuse what cannot fit before anything changes
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError("reconfigure did not complete")
+        try:
+            self._loop.finish_inflight()
+            old = self.user_config
+            carry = self.core.take_unfinished()
+            try:
+                self._install(config, carry)
+            except BaseException:
+                self._install(old, carry)
+                raise
+        finally:
+            self._lock.release()
+        return self.config
 
-    def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int | Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
-        """Submit every prompt, run to completion, return one `RequestOutput` per prompt (input order)."""
-        prompts = list(prompts)
-        ns = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
-        if len(ns) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(ns)} entries for {len(prompts)} prompts")
-        rids = [self.submit(p, n) for p, n in zip(prompts, ns)]
-        self.run()
-        return [self._outputs[r] for r in rids]
+    cache = property(lambda self: self._loop.cache, doc="The `CacheManager` (block bookkeeping).")
+    core = property(lambda self: self._loop.core, doc="The `EngineCore` (requests, scheduler, offload policy).")
+    events = property(lambda self: self.recorder.events, doc="The `EventLog` of typed telemetry events.")
+    now = property(lambda self: self._loop.now, doc="The virtual clock (simulated seconds).")
+    steps = property(lambda self: self._loop.steps, doc="Every executed step, in order.")
+
+    # ------------------------------------------------------------------------------------------ requests
+    def encode(self, prompt: Any, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt (token ids only: a SimEngine has no tokenizer; see `cbnb.prompts`)."""
+        return prompt_ids(prompt, tokenizer=None, vocab_size=self.vocab_size, chat=chat)
+
+    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+               request_id: str | None = None, *, ignore_eos: bool = True, chat: bool | None = None,
+               arrival_s: float | None = None) -> SimHandle:
+        """Queue one request (thread-safe), as `Engine.submit`, arriving at `arrival_s` simulated seconds.
+
+        Args:
+            prompt: token ids (a list/tuple, a 1-D array or tensor, a tokenizer output of one row).
+            max_new_tokens: tokens to generate (exactly: EOS never ends a simulated request); None: up to the
+                model's max positions.
+            do_sample, temperature, top_k, top_p, seed, eos_token_id, ignore_eos, chat: validated as
+                `Engine.submit` does; they do not change the simulation.
+            request_id: a unique id (default "sim-N").
+            arrival_s: when the request reaches the engine (simulated seconds, >= the previous submission's arrival
+                and >= the clock); None: now.
+
+        Raises:
+            TypeError / ValueError: as `Engine.submit` (the message names the field); `arrival_s` out of order,
+                before the clock, or not a finite number.
+            RuntimeError: the playback thread died (see `error`).
+        """
+        ids = self.encode(prompt, chat)
+        sp, cap = sampling_params(len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  eos_token_id=eos_token_id, ignore_eos=True, max_positions=self.max_positions)
+        with self._lock:
+            if self._state == "dead":
+                raise RuntimeError(f"the simulation died: {self.error!r}")
+            t = self._arrival(arrival_s)
+            rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
+            if rid in self._ended:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            req = Request(rid, ids, sp, max_new_tokens_cap=cap, now=t)
+            handle = SimHandle(req, self)
+            self._handles.add(handle, self.config.max_queue_size)
+            self._order.append(rid)
+            self._loop.add_arrival(req, t)
+            if arrival_s is not None:
+                self._last_arrival = t
+            pb = self._playback
+        if pb is not None:
+            pb.idle.clear()
+            pb.wake.set()
+        return handle
+
+    def _arrival(self, arrival_s: float | None) -> float:
+        now = self._playback.paced_now() if self._playback is not None else self._loop.now
+        if arrival_s is None:
+            return now
+        if isinstance(arrival_s, bool) or not isinstance(arrival_s, (int, float)) or not (
+                0 <= arrival_s < float("inf")):
+            raise ValueError(f"arrival_s must be a finite number of simulated seconds >= 0; got {arrival_s!r}")
+        t = float(arrival_s)
+        if t < self._last_arrival:
+            raise ValueError(f"arrival_s={t!r} is before the previous request's arrival_s={self._last_arrival!r}: "
+                             "submit requests in arrival order")
+        if t < now:
+            raise ValueError(f"arrival_s={t!r} lies in the past: the simulation is already at t={now!r} s")
+        return t
+
+    def generate(self, prompts: Iterable[Any], max_new_tokens: int | Sequence[int] | None = None, *,
+                 timeout: float | None = None, **sampling: Any) -> list[RequestOutput]:
+        """Submit every prompt and wait (caller-driven: run the simulation) until they all ended: one
+        `RequestOutput` per prompt, in input order. `max_new_tokens` may also be one value per prompt.
+
+        Raises:
+            TypeError / ValueError: as `Engine.generate`; TimeoutError: with a playback thread, when `timeout`
+                wall seconds pass first.
+        """
+        items = split_batch(prompts)
+        ns = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(items)
+        if len(ns) != len(items):
+            raise ValueError(f"max_new_tokens has {len(ns)} entries for {len(items)} prompts")
+        handles = [self.submit(p, n, **sampling) for p, n in zip(items, ns)]
+        return [h.result(timeout) for h in handles]
 
     def outputs(self) -> list[RequestOutput]:
         """Terminal outputs of every request submitted so far that has ended, in submission order."""
-        return [self._outputs[r] for r in self._order if r in self._outputs]
+        with self._lock:
+            return [self._ended[r].output() for r in self._order if r in self._ended]
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request in any non-terminal state (blocks freed at once). False when unknown or already ended."""
-        return self.core.cancel(request_id) is not None
+        """Cancel a request in any state, including one yet to arrive (it ends CANCELLED, blocks freed at once).
+        False when unknown or already ended."""
+        with self._lock:
+            if self.core.cancel(request_id) is not None:
+                self.recorder.flush()
+                return True
+            req = self._loop.remove_arrival(request_id)
+            if req is None:
+                return False
+            self._end_unadmitted(req, RequestState.CANCELLED, "cancelled")
+            return True
+
+    def cancel_all(self) -> int:
+        """Cancel every unfinished request (as `cancel`). Returns how many."""
+        with self._lock:
+            return sum(1 for rid in self._handles.live_ids() if self.cancel(rid))
+
+    def _end_unadmitted(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+        req.error = error
+        req.finish_reason = reason
+        req.transition(state, self._loop.now)
+        self._on_terminal(req)
+        self.recorder.flush()
+
+    def _deliver(self, req: Request, token_ids: list[int]) -> None:
+        self._handles.deliver(req.request_id, token_ids, req.state)
 
     def _on_terminal(self, req: Request) -> None:
-        self._stats.on_done(req)
-        out = req.output()
-        self._outputs[req.request_id] = out
-        self._recent.append(out)
+        self.recorder.request_done(req)
+        self._ended[req.request_id] = req
+        self._recent.append(req)
+        self._handles.finish(req)
 
-    # ------------------------------------------------------------------------------------------ the loop
-    def run(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Run until every submitted request is terminal (or `max_steps` steps ran). Returns `stats()`.
+    # ------------------------------------------------------------------------------------------ caller-driven
+    def _check_caller_driven(self) -> None:
+        if self._playback is not None:
+            raise RuntimeError("the simulation runs on its playback thread: call stop() before run()/run_until()")
+        if self._state == "dead":
+            raise RuntimeError(f"the simulation died: {self.error!r}")
 
-        Raises:
-            RuntimeError: when a step schedules nothing while requests wait and nothing is in flight (the real
-                engine would wait forever for a submission that cannot come).
-        """
+    def _drive(self, until: Callable[[], bool], horizon: float | None = None, max_steps: int | None = None) -> None:
+        """Run turns (caller's thread) until `until()`, the clock reaches `horizon`, or `max_steps` steps ran."""
+        self._check_caller_driven()
+        loop = self._loop
         w0 = time.perf_counter()
+        first = loop.steps_run
         try:
-            if self.async_batching:
-                self._run_async(max_steps)
-            else:
-                self._run_sync(max_steps)
+            while not until():
+                if max_steps is not None and loop.steps_run - first >= max_steps:
+                    break
+                if horizon is not None and loop.now >= horizon:
+                    break
+                with self._lock:
+                    if loop.turn():
+                        continue
+                    nxt = loop.next_arrival_s
+                    if nxt is None:
+                        if horizon is not None:
+                            loop.idle_until(horizon)
+                        break
+                    loop.idle_until(nxt if horizon is None else min(nxt, horizon))
+        except SimulationStuck as e:
+            with self._lock:
+                self._die(e)
+            raise
         finally:
             self.wall_s += time.perf_counter() - w0
+
+    def _drive_until(self, done: Callable[[], bool]) -> None:
+        if self._playback is None and self._state != "dead":
+            self._drive(done)
+
+    def run(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Run until every submitted request has ended, arrivals included (or `max_steps` more steps ran).
+        Returns `stats()`.
+
+        Raises:
+            SimulationStuck: a step scheduled nothing while requests wait and nothing is in flight.
+            RuntimeError: while the playback thread runs.
+        """
+        loop = self._loop
+        self._drive(lambda: not loop.busy, max_steps=max_steps)
+        with self._lock:
+            loop.finish_inflight()
         return self.stats()
 
-    def _schedule(self) -> StepWork:
-        t0 = time.perf_counter()
-        work = self.core.schedule()
-        self.schedule_wall_s += time.perf_counter() - t0
-        if self.telemetry:
-            self.events.append(_plan_event(work, self.now))
-        return work
+    def run_until(self, t: float) -> dict[str, Any]:
+        """Run until the virtual clock reaches `t` simulated seconds: every step that starts before `t` runs (the
+        last may end after it); idle time passes up to `t`. A step in flight (async batching) stays in flight, so
+        running in pieces makes the same decisions as one `run()`. Returns `stats()`.
 
-    def _stuck(self, work: StepWork) -> RuntimeError:
-        waiting = list(self.core.scheduler.waiting)[:5]
-        return RuntimeError(f"simulation made no progress at step {work.step_id}: nothing scheduled and nothing in "
-                            f"flight, {len(self.core.requests)} requests unfinished (waiting: {waiting})")
+        Raises:
+            ValueError: `t` is not a finite number.
+        """
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not abs(t) < float("inf"):
+            raise ValueError(f"t must be a finite number of simulated seconds; got {t!r}")
+        self._drive(lambda: False, horizon=float(t))
+        return self.stats()
 
-    def _run_sync(self, max_steps: int | None) -> None:
-        n = 0
-        while self.core.has_work and (max_steps is None or n < max_steps):
-            start = self.now
-            work = self._schedule()
-            if work.empty and not work.swap_outs:
-                if work.failed or work.offloads:
-                    continue  # progress without a forward (the engine's loop turns over the same way)
-                raise self._stuck(work)
-            cost = self.cost.step(StepLoad.from_work(work, self.layout))
-            self.now = start + cost.total_s
-            self._apply(work, cost, start)
-            n += 1
+    # ------------------------------------------------------------------------------------------ playback thread
+    @property
+    def state(self) -> str:
+        """"created" (never started), "running" (playback thread), "stopped" (requests kept: `run()` or `start()`
+        go on), or "dead" (see `error`)."""
+        return self._state
 
-    def _run_async(self, max_steps: int | None) -> None:
-        # Mirrors cbnb.Engine's async loop: schedule + launch N+1, then collect and apply N. Two resources on the
-        # virtual timeline: the host (scheduling, packing, applying) and the device (launched work, in order).
-        inflight: tuple[StepWork, StepCost, float, float] | None = None  # (work, cost, start, device end)
-        device_free = 0.0
-        n = 0
-        while self.core.has_work or inflight is not None:
-            if not self.core.has_work or (max_steps is not None and n >= max_steps):
-                if inflight is not None:
-                    inflight = self._collect(inflight)
-                    continue
-                break
-            start = self.now
-            work = self._schedule()
-            if work.empty and not work.swap_outs:
-                if inflight is None:
-                    if work.failed or work.offloads:
-                        continue
-                    raise self._stuck(work)
-                inflight = self._collect(inflight)  # what blocks scheduling may be the step in flight
-                continue
-            cost = self.cost.step(StepLoad.from_work(work, self.layout))
-            launched = start + cost.host_s
-            device_end = max(launched, device_free) + cost.device_s
-            device_free = device_end
-            self.now = launched
-            if inflight is not None:
-                self._collect(inflight)
-            inflight = (work, cost, start, device_end)
-            n += 1
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
 
-    def _collect(self, inflight: tuple[StepWork, StepCost, float, float]) -> None:
-        work, cost, start, device_end = inflight
-        self.now = max(self.now, device_end)
-        self._apply(work, cost, start)
-        return None
+    @property
+    def speed(self) -> float | None:
+        """Simulated seconds per wall second of the playback thread (None: as fast as possible). Settable."""
+        return self._playback.speed if self._playback is not None else None
 
-    def _apply(self, work: StepWork, cost: StepCost, start: float) -> None:
-        tokens = {s.request_id: SIM_TOKEN for s in work.plan.scheduled if s.samples}
-        self.core.apply(work, tokens)
-        last = self.steps[-1].end_s if self.steps else 0.0
-        t0 = max(start, last)
-        self.steps.append(SimStep(work.step_id, t0, self.now, cost))
-        timings = {"forward": cost.compute_s, "launch": cost.launch_s, "host": cost.host_s}
-        self._stats.on_step(work.plan, work.offloads, len(work.restores), timings, t0, self.now)
-        if self.telemetry:
-            for d in work.offloads:
-                self.events.append(Offload(work.step_id, start, d.request.request_id, d.path, d.reason,
-                                           d.blocks_freed, d.tokens_to_recompute))
-        if self.telemetry and (self._kv_sample_t is None or self.now - self._kv_sample_t >= 0.2):
-            self._kv_sample_t = self.now  # the engine's rule (a KV usage sample every 0.2 s), in simulated seconds
-            self._stats.on_kv(kv_usage(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()}))
+    @speed.setter
+    def speed(self, speed: float | None) -> None:
+        speed = check_speed(speed)
+        if self._playback is not None:
+            self._playback.set_speed(speed)
+
+    def start(self, speed: float | None = None) -> "SimEngine":
+        """Run on a playback thread: as fast as possible (None), or at `speed` x simulated time. No-op (except
+        for the speed) when running.
+
+        Raises:
+            ValueError: a `speed` that is not None or a number > 0. RuntimeError: the simulation died.
+        """
+        speed = check_speed(speed)
+        with self._lock:
+            if self._state == "dead":
+                raise RuntimeError(f"the simulation died: {self.error!r}")
+            if self._playback is not None:
+                self._playback.set_speed(speed)
+                return self
+            self._playback = Playback(self, speed)
+            self._state = "running"
+            self._playback.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the playback thread after its current turn. Unfinished requests are kept (`run()` or `start()`
+        continue the simulation)."""
+        pb = self._playback
+        if pb is None:
+            return
+        pb.stop(timeout)
+        with self._lock:
+            self._playback = None
+            if self._state == "running":
+                self._state = "stopped"
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the playback thread has nothing left to do (every submitted request ended). False on timeout.
+        Without a playback thread: run the simulation (`run()`) and return True."""
+        pb = self._playback
+        if pb is None:
+            self.run()
+            return True
+        return pb.idle.wait(check_timeout(timeout))
+
+    def _die(self, error: BaseException) -> None:
+        """The simulation cannot go on: every unfinished request ends FAILED with the reason."""
+        with self._lock:
+            self.error = error
+            self._state = "dead"
+            reason = f"simulation died: {type(error).__name__}: {error}"
+            if self.core is not None:
+                self.core.fail_all(reason)
+            for req in self._loop.take_arrivals():
+                self._end_unadmitted(req, RequestState.FAILED, "error", reason)
+            self.recorder.flush()
+
+    def __enter__(self) -> "SimEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
 
     # ------------------------------------------------------------------------------------------ read API
     def stats(self) -> dict[str, Any]:
-        """{"run": `RunStats.summary()` in virtual seconds, "memory_bytes": the split, "sim": clock and host cost}."""
-        return {"run": self._stats.summary(), "memory_bytes": self.memory_split(),
-                "sim": {"sim_time_s": self.now, "steps": len(self.steps), "wall_s": self.wall_s,
-                        "schedule_wall_s": self.schedule_wall_s, "async_batching": self.async_batching,
-                        "num_blocks": self.config.num_blocks, "profile": self.profile.name, "shape": self.shape.name}}
+        """As `Engine.stats()`: {"run": `RunStats.summary()` since `reset_stats()`, "cumulative": ...,
+        "memory_bytes": `memory_split()`}, in simulated seconds."""
+        with self._lock:
+            out = self.recorder.summary()
+            out["memory_bytes"] = self.memory_split()
+        return out
+
+    def sim_stats(self) -> dict[str, Any]:
+        """The simulation itself: simulated seconds, steps, host seconds spent (and of those in the scheduler)."""
+        loop = self._loop
+        return {"sim_time_s": loop.now, "steps": len(loop.steps), "wall_s": self.wall_s,
+                "schedule_wall_s": loop.schedule_wall_s, "async_batching": self.async_batching,
+                "num_blocks": self.config.num_blocks, "profile": self.profile.name, "shape": self.shape.name,
+                "arrivals_pending": loop.num_arrivals}
 
     def reset_stats(self) -> None:
-        """Start a new run for `stats()["run"]`."""
-        self._stats = RunStats()
+        """Start a new run for `stats()["run"]` (the cumulative figures keep counting)."""
+        with self._lock:
+            self.recorder.reset_run()
 
     def memory_split(self) -> dict[str, int]:
-        """Bytes by use: weights, kv_cache, activations, logits, swap_pool (as `cbnb.Engine.memory_split`)."""
+        """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool (as `Engine.memory_split`)."""
         split = self.memory.split()
         split["swap_pool"] = self.swap_sectors * self.layout.bytes_per_sector
         return split
 
     def snapshot(self) -> KVSnapshot:
         """The KV page map now (see `cbnb.cache.snapshot`)."""
-        return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
+        with self._lock:
+            return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def requests_snapshot(self) -> list[RequestOutput]:
-        """Live requests (arrival order) followed by the most recently ended ones (up to 256)."""
-        live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
-        return [r.output() for r in live] + list(self._recent)
+        """Live requests (arrival order) followed by the most recently ended ones (up to 256), as `Engine`'s."""
+        with self._lock:
+            live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
+            return [r.output() for r in live] + [r.output() for r in self._recent]
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"SimEngine({self.shape.name} on {self.profile.name}, t={self.now:.3f}s, page_size={c.page_size}, "
-                f"num_blocks={c.num_blocks}, max_batch_tokens={c.max_batch_tokens}, scheduler={c.scheduler_type})")
-
-
-def _plan_event(work: StepWork, t: float) -> Event:
-    # TODO(issue 10): the shared recorder's StepPlanned builder (the same fields as cbnb.Engine's `_plan_event`).
-    p = work.plan
-    return StepPlanned(
-        work.step_id, t, p.scheduler,
-        [(s.request_id, s.phase, s.num_tokens, s.start, s.prefix_hit_tokens) for s in p.scheduled],
-        [(k.reason.value, list(k.request_ids), dict(k.detail)) for k in p.skipped],
-        [(st.request_id, list(st.blocks_needed), list(st.blocks_available)) for st in p.stalled],
-        p.token_budget, p.num_tokens, p.num_prefill_tokens, p.num_decode_tokens, p.cache_budget,
-        p.cache_read_tokens, p.request_cap, len(p.scheduled), p.free_fraction, p.safety_margin,
-    )
+        return (f"SimEngine({self.shape.name} on {self.profile.name}, {self._state}, t={self.now:.3f}s, "
+                f"page_size={c.page_size}, num_blocks={c.num_blocks}, max_batch_tokens={c.max_batch_tokens}, "
+                f"scheduler={c.scheduler_type})")

@@ -19,9 +19,10 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any
+
+from ._together import submitted_together
 
 __all__ = ["validate_workload", "main"]
 
@@ -37,19 +38,13 @@ def _real_run(model: Any, tokenizer: Any, wl: Any, cfg: Any) -> tuple[dict[int, 
     import cbnb
 
     eng = cbnb.Engine(model, tokenizer, cfg)
-    gate = threading.Event()
-    drain = eng._drain
-    eng._drain = lambda: (gate.wait(600), drain())[1]  # every request reaches the core before the first step
-    eng.start()
     try:
-        hs = [eng.submit(p, max_new_tokens=n, ignore_eos=True, request_id=f"w{i}")
-              for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new_tokens))]
-        eng._drain = drain
-        gate.set()
+        with submitted_together(eng):  # every request reaches the core before the first step
+            hs = [eng.submit(p, max_new_tokens=n, ignore_eos=True, request_id=f"w{i}")
+                  for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new_tokens))]
         for h in hs:
             h.result(timeout=3600)
     finally:
-        gate.set()
         eng.stop()
     starts = {e.step: e.t for e in eng.events.events("step_planned")}
     timing = {e.step: e for e in eng.events.events("step_timing") if e.step in starts}
