@@ -29,7 +29,7 @@ from .cache.snapshot import kv_usage
 from .events import (BlocksAllocated, BlocksDeduplicated, BlocksDemoted, BlocksFreed, BlocksShared, CudaGraph, Event,
                      EventLog, Offload, PrefixHit, RequestAdded, RequestDone, RequestWarning, Restore, StateChange,
                      StepPlanned, StepTiming)
-from .plan import StepResult, StepWork
+from .plan import QueueTail, StepResult, StepWork
 from .requests import Request
 from .stats import RunStats
 
@@ -37,6 +37,11 @@ __all__ = ["Recorder", "KV_SAMPLE_S"]
 
 #: Seconds between two KV usage samples taken after steps.
 KV_SAMPLE_S = 0.2
+
+
+def _ids(ids):
+    # A `QueueTail` is immutable and O(1) to keep; a list is copied (the plan's own list stays the scheduler's).
+    return ids if isinstance(ids, QueueTail) else list(ids)
 
 
 class Recorder:
@@ -136,7 +141,7 @@ class Recorder:
             self.pending.insert(mark, StepPlanned(
                 work.step_id, t0, p.scheduler,
                 [(s.request_id, s.phase, s.num_tokens, s.start, s.prefix_hit_tokens) for s in p.scheduled],
-                [(k.reason.value, list(k.request_ids), dict(k.detail)) for k in p.skipped],
+                [(k.reason.value, _ids(k.request_ids), dict(k.detail)) for k in p.skipped],
                 [(st.request_id, list(st.blocks_needed), list(st.blocks_available)) for st in p.stalled],
                 p.token_budget, p.num_tokens, p.num_prefill_tokens, p.num_decode_tokens, p.cache_budget,
                 p.cache_read_tokens, p.request_cap, len(p.scheduled), p.free_fraction, p.safety_margin,

@@ -3,6 +3,8 @@ clock (request times and stats in simulated seconds), the sync and async timelin
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cbnb.cache.sizing import plan_cache
@@ -135,3 +137,140 @@ def test_swap_copies_cost_host_link_time():
     swapped = [s for s in sim.steps if s.cost.parts["swap"] > 0]
     assert swapped and sim.stats()["run"]["swaps"] >= 1
     assert all(s.cost.parts["swap"] * CPU.host_device_bandwidth > 0 for s in swapped)
+
+
+# ---------------------------------------------------------------------------------------------- arrivals
+def small_sim(**kw) -> SimEngine:
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64)
+    return SimEngine(load_shape("smollm2-135m", dtype="float32"), CPU, cfg, **kw)
+
+
+def test_arrivals_wait_for_their_time_and_idle_gaps_are_simulated():
+    sim = small_sim()
+    a = sim.submit([40] * 20, 4, arrival_s=0.0)
+    b = sim.submit([41] * 20, 4, arrival_s=5.0)  # long after a has finished
+    sim.run()
+    oa, ob = a.result(), b.result()
+    assert oa.timings.queued == 0.0 and ob.timings.queued == 5.0
+    assert oa.timings.finished < 5.0 <= ob.timings.scheduled  # b is admitted at its arrival, not before
+    added = {e.request_id: e for e in sim.events.events("request_added")}
+    assert added[b.request_id].t == 5.0 and added[a.request_id].t == 0.0
+    assert sim.now == ob.timings.finished
+    # The run's span covers the idle gap, as the real engine's does.
+    assert sim.stats()["run"]["span_s"] == pytest.approx(sim.now)
+
+
+def test_arrivals_out_of_order_or_in_the_past_are_refused_naming_the_field():
+    sim = small_sim()
+    sim.submit([40] * 8, 2, arrival_s=2.0)
+    with pytest.raises(ValueError, match=r"arrival_s=1\.0 is before the previous request's arrival_s=2\.0"):
+        sim.submit([40] * 8, 2, arrival_s=1.0)
+    for bad in (-1.0, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="arrival_s must be a finite number"):
+            sim.submit([40] * 8, 2, arrival_s=bad)
+    sim.run_until(3.0)
+    assert sim.now >= 3.0
+    with pytest.raises(ValueError, match=r"arrival_s=2\.5 lies in the past"):
+        sim.submit([40] * 8, 2, arrival_s=2.5)
+    late = sim.submit([40] * 8, 2)  # no arrival_s: it arrives now
+    assert late.result().timings.queued == pytest.approx(sim.events.events("request_added")[-1].t)
+
+
+def timeless_plans(sim):
+    return [(e.step, e.taken, e.skipped, e.stalled) for e in sim.events.events("step_planned")]
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_run_until_in_pieces_makes_the_same_decisions_as_one_run(async_):
+    def build():
+        sim = small_sim(async_batching=async_)
+        t = 0.0
+        for i in range(12):
+            t += 0.003 * (i % 4)
+            sim.submit([40 + i] * (10 + 7 * i), 3 + i, request_id=f"q{i}", arrival_s=t)
+        return sim
+
+    whole = build()
+    whole.run()
+    pieces = build()
+    t = 0.0
+    while pieces.sim_stats()["arrivals_pending"] or pieces.core.has_work or pieces._loop.inflight:
+        t += 0.004
+        pieces.run_until(t)
+        assert pieces.now >= t
+    assert timeless_plans(pieces) == timeless_plans(whole) and len(timeless_plans(whole)) > 10
+    assert [o.token_ids for o in pieces.outputs()] == [o.token_ids for o in whole.outputs()]
+
+
+def test_cancel_a_request_that_has_not_arrived():
+    sim = small_sim()
+    a = sim.submit([40] * 8, 3, arrival_s=0.0)
+    b = sim.submit([40] * 8, 3, arrival_s=9.0)
+    assert sim.cancel(b.request_id) and not sim.cancel(b.request_id)
+    sim.run()
+    assert b.result().state == RequestState.CANCELLED and a.result().state == RequestState.FINISHED
+    assert sim.now < 9.0  # nothing left to wait for
+    assert [e.state for e in sim.events.events("request_done")] == ["CANCELLED", "FINISHED"]
+
+
+def test_generate_and_handles_drive_the_simulation():
+    sim = small_sim()
+    h = sim.submit([40] * 8, 5)
+    assert not h.done()
+    assert h.result().token_ids == [SIM_TOKEN] * 5  # result() ran the simulation up to this request's end
+    outs = sim.generate([[41] * 9, [42] * 3], max_new_tokens=[2, 4])
+    assert [len(o.token_ids) for o in outs] == [2, 4]
+    deltas = list(sim.submit([43] * 4, 3))  # a handle streams like the engine's (tokens as steps apply them)
+    assert sum(len(d.token_ids) for d in deltas) == 3 and deltas[-1].finished
+
+
+def test_reconfigure_keeps_unfinished_and_pending_requests():
+    sim = small_sim()
+    hs = [sim.submit([40 + i] * 30, 20, arrival_s=0.01 * i) for i in range(4)]
+    sim.run_until(0.015)
+    resolved = sim.reconfigure(ContinuousBatchingConfig(page_size=32, num_blocks=40, max_batch_tokens=128))
+    assert resolved.page_size == 32 and sim.config is resolved and sim.cache.page_size == 32
+    sim.run()
+    assert [len(h.result().token_ids) for h in hs] == [20] * 4
+    with pytest.raises(MemoryError):
+        sim.reconfigure(ContinuousBatchingConfig(num_blocks=10_000_000))
+    assert sim.config is resolved  # the old config stays in force
+
+
+@pytest.mark.parametrize("speed", [None, 50.0])
+def test_playback_thread_runs_like_the_engine(speed):
+    sim = small_sim()
+    # Arrival times are submitted before the thread starts: a running simulation may pass them meanwhile.
+    hs = [sim.submit([40 + i] * 12, 6, arrival_s=0.02 * i) for i in range(5)]
+    sim.start(speed=speed)
+    try:
+        assert sim.state == "running" and sim.running and sim.speed == speed
+        with pytest.raises(RuntimeError, match="playback thread"):
+            sim.run()
+        hs.append(sim.submit([50] * 12, 6))  # arrives whenever the thread is
+        outs = [h.result(timeout=30) for h in hs]
+        assert all(o.state == RequestState.FINISHED and len(o.token_ids) == 6 for o in outs)
+        assert sim.wait_idle(timeout=30)
+        assert sim.now >= 0.08
+    finally:
+        sim.stop()
+    assert sim.state == "stopped"
+    h = sim.submit([50] * 4, 2)  # a stopped simulation keeps going caller-driven
+    assert h.result().state == RequestState.FINISHED
+    with pytest.raises(ValueError, match="speed must be"):
+        sim.start(speed=0)
+
+
+def test_playback_at_speed_waits_for_simulated_time():
+    sim = small_sim()
+    sim.start(speed=2.0)  # 2 simulated seconds per wall second
+    try:
+        t0 = time.monotonic()
+        h = sim.submit([40] * 8, 2, arrival_s=0.6)
+        assert h.result(timeout=30).timings.queued == 0.6
+        assert time.monotonic() - t0 >= 0.25  # the arrival 0.6 simulated s away came after ~0.3 wall s
+        sim.speed = None  # as fast as possible from now on
+        late = sim.submit([41] * 8, 2, arrival_s=1000.0)
+        assert late.result(timeout=30).state == RequestState.FINISHED and sim.now >= 1000.0
+    finally:
+        sim.stop()

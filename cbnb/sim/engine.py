@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..cache.manager import CacheManager
 from ..cache.sizing import MemoryPlan, plan_memory
@@ -42,8 +42,9 @@ from ..config import ContinuousBatchingConfig
 from ..core import EngineCore
 from ..handle import HandleTable, RequestHandle, check_timeout
 from ..prompts import prompt_ids, sampling_params, split_batch
-from ..requests import Request, RequestOutput, RequestState
+from ..requests import Request, RequestOutput, RequestState, TokenDelta
 from ..telemetry import Recorder
+from ._gc import relaxed_gc
 from .cost import CostModel
 from .loop import SIM_TOKEN, SimStep, SimulationStuck, VirtualLoop
 from .playback import Playback, check_speed
@@ -67,18 +68,41 @@ class SimDevice:
 
 
 class SimHandle(RequestHandle):
-    """`cbnb.RequestHandle` of a simulated request. Unlike the real engine's, `result()` on an engine that is not
-    running a thread runs the simulation (caller-driven) until this request has ended."""
+    """`cbnb.RequestHandle` of a simulated request. On an engine with no playback thread (caller-driven), waiting
+    on it runs the simulation on the caller's thread: `result()` until this request has ended, iteration until its
+    next tokens (`async for` until it has ended)."""
 
     def __init__(self, request: Request, sim: "SimEngine") -> None:
         super().__init__(request, None, sim.cancel)
         self._drive = weakref.WeakMethod(sim._drive_until)
 
-    def result(self, timeout: float | None = None) -> RequestOutput:
+    def _run_until(self, cond: Callable[[], bool]) -> None:
         drive = self._drive()
-        if not self.done() and drive is not None:
-            drive(self.done)
+        if drive is not None and not cond():
+            drive(cond)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        self._run_until(self.done)
         return super().result(timeout)
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        q = self._q
+        while not self._consumed:
+            self._run_until(lambda: not q.empty() or self.done())
+            try:
+                item = q.get()
+            except KeyboardInterrupt:
+                self.cancel()
+                raise
+            d = self._delta(item)
+            yield d
+            if d.finished:
+                return
+
+    async def __aiter__(self):
+        self._run_until(self.done)
+        async for d in super().__aiter__():
+            yield d
 
 
 class SimEngine:
@@ -338,30 +362,33 @@ class SimEngine:
     def _drive(self, until: Callable[[], bool], horizon: float | None = None, max_steps: int | None = None) -> None:
         """Run turns (caller's thread) until `until()`, the clock reaches `horizon`, or `max_steps` steps ran."""
         self._check_caller_driven()
-        loop = self._loop
         w0 = time.perf_counter()
-        first = loop.steps_run
         try:
-            while not until():
-                if max_steps is not None and loop.steps_run - first >= max_steps:
-                    break
-                if horizon is not None and loop.now >= horizon:
-                    break
-                with self._lock:
-                    if loop.turn():
-                        continue
-                    nxt = loop.next_arrival_s
-                    if nxt is None:
-                        if horizon is not None:
-                            loop.idle_until(horizon)
-                        break
-                    loop.idle_until(nxt if horizon is None else min(nxt, horizon))
+            with relaxed_gc():
+                self._turns(until, horizon, max_steps)
         except SimulationStuck as e:
-            with self._lock:
-                self._die(e)
+            self._die(e)
             raise
         finally:
             self.wall_s += time.perf_counter() - w0
+
+    def _turns(self, until: Callable[[], bool], horizon: float | None, max_steps: int | None) -> None:
+        loop = self._loop
+        first = loop.steps_run
+        while not until():
+            if max_steps is not None and loop.steps_run - first >= max_steps:
+                return
+            if horizon is not None and loop.now >= horizon:
+                return
+            with self._lock:
+                if loop.turn():
+                    continue
+                nxt = loop.next_arrival_s  # idle: nothing can run before the next arrival
+                if nxt is None:
+                    if horizon is not None:
+                        loop.idle_until(horizon)
+                    return
+                loop.idle_until(nxt if horizon is None else min(nxt, horizon))
 
     def _drive_until(self, done: Callable[[], bool]) -> None:
         if self._playback is None and self._state != "dead":
