@@ -191,12 +191,14 @@ class Recorder:
         return kv_usage(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def summary(self) -> dict[str, Any]:
-        """{"run": ..., "cumulative": ...} (`RunStats.summary()`), with the KV usage of this moment when enabled."""
+        """{"run": ..., "cumulative": ...} (`RunStats.summary()`), with the KV usage of this moment when enabled, and
+        "clock_s": the recorder's clock now (the seconds every time in the figures is measured in: perf_counter
+        seconds for `cbnb.Engine`, simulated seconds for `cbnb.sim.SimEngine`)."""
         if self.enabled and self.cache is not None:
             usage = self.kv_usage()
             self.run.kv_last = dict(usage)
             self.total.kv_last = dict(usage)
-        return {"run": self.run.summary(), "cumulative": self.total.summary()}
+        return {"run": self.run.summary(), "cumulative": self.total.summary(), "clock_s": self.clock()}
 
     # ------------------------------------------------------------------------------------------ cache events
     def _cache_event(self, kind: str, **kw: Any) -> None:

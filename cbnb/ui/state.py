@@ -233,7 +233,11 @@ class StepSeries(_Ring):
 class TimeSeries(_Ring):
     """Samples of `engine.stats()` over time (seconds since `t0`): KV usage, prefix hits, offloads, graphs,
     throughput and latency. Throughput is the rate of the cumulative output/prefill token counters between
-    samples, averaged over the last `window_s` seconds."""
+    samples, averaged over the last `window_s` seconds.
+
+    Time is the engine's own clock when its stats carry one ("clock_s"; a simulator's is simulated seconds, so a
+    simulation played faster than real time still shows its own tokens/s), aligned with the wall clock at the first
+    sample; else the wall time of the read."""
 
     COLUMNS = ("t", "kv_blocks_pct", "kv_tokens_pct", "prefix_hit_tokens", "prefix_hit_pct", "swaps",
                "soft_resets", "restores", "graph_captures", "graph_replays", "out_tok_s", "prefill_tok_s",
@@ -244,10 +248,16 @@ class TimeSeries(_Ring):
         self.t0 = t0
         self.window_s = window_s
         self._counters: deque[tuple[float, float, float]] = deque()
+        self._clock0: float | None = None  # engine clock - seconds since t0, fixed at the first sample
 
     def add_stats(self, wall: float, stats: Mapping[str, Any]) -> dict[str, float | None]:
         """Append one sample from `engine.stats()` read at `wall` (time.time()). Returns the row."""
         run, cum = stats["run"], stats["cumulative"]
+        clock = stats.get("clock_s")
+        if clock is not None:
+            if self._clock0 is None:
+                self._clock0 = clock - (wall - self.t0)
+            wall = self.t0 + clock - self._clock0
         self._counters.append((wall, float(cum["output_tokens"]), float(cum["prefill_tokens"])))
         while len(self._counters) > 2 and wall - self._counters[1][0] >= self.window_s:
             self._counters.popleft()
