@@ -11,8 +11,8 @@ CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", 
         # the engine's runner-agnostic parts, shared with the simulator
         "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop"]
 # The simulator: importable (and usable) on a machine without torch.
-SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.calibrate",
-       "cbnb.sim.validate"]
+SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
+       "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale"]
 
 
 def _loaded_after(code: str) -> set[str]:

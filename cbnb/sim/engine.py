@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..cache.manager import CacheManager
 from ..cache.sizing import MemoryPlan, plan_memory
@@ -42,7 +42,7 @@ from ..config import ContinuousBatchingConfig
 from ..core import EngineCore
 from ..handle import HandleTable, RequestHandle, check_timeout
 from ..prompts import prompt_ids, sampling_params, split_batch
-from ..requests import Request, RequestOutput, RequestState, TokenDelta
+from ..requests import Request, RequestOutput, RequestState
 from ..telemetry import Recorder
 from ._gc import relaxed_gc
 from .cost import CostModel
@@ -85,19 +85,9 @@ class SimHandle(RequestHandle):
         self._run_until(self.done)
         return super().result(timeout)
 
-    def __iter__(self) -> Iterator[TokenDelta]:
+    def _before_wait(self) -> None:
         q = self._q
-        while not self._consumed:
-            self._run_until(lambda: not q.empty() or self.done())
-            try:
-                item = q.get()
-            except KeyboardInterrupt:
-                self.cancel()
-                raise
-            d = self._delta(item)
-            yield d
-            if d.finished:
-                return
+        self._run_until(lambda: not q.empty() or self.done())
 
     async def __aiter__(self):
         self._run_until(self.done)

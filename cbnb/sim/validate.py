@@ -51,7 +51,7 @@ def _real_run(model: Any, tokenizer: Any, wl: Any, cfg: Any) -> tuple[dict[int, 
     steps = {s: e.t - starts[s] for s, e in timing.items()}
     wall = max(e.t for e in timing.values()) - min(starts[s] for s in steps)
     phases = {s: (e.prepare_s, e.forward_s, e.sample_s, e.schedule_s + e.update_s) for s, e in timing.items()}
-    return steps, wall, _plans(eng.events), (eng.config, phases)
+    return steps, wall, _plans(eng.events), (eng.config, phases, eng.memory.free_bytes)
 
 
 def _sim_run(shape: Any, profile: Any, wl: Any, cfg: Any) -> tuple[dict[int, float], float, list[tuple], Any]:
@@ -83,10 +83,14 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
     wl = get_workload(name, vocab_size=model.config.vocab_size, seed=seed, scale=scale)
     cfg = cbnb.ContinuousBatchingConfig(**wl.config_hints)
     t0 = time.perf_counter()
-    measured, wall, real_plans, (real_cfg, phases) = _real_run(model, tokenizer, wl, cfg)
+    measured, wall, real_plans, (real_cfg, phases, real_free) = _real_run(model, tokenizer, wl, cfg)
     real_s = time.perf_counter() - t0
     shape = load_shape(model.config, dtype=str(next(model.parameters()).dtype))
-    # The real engine sized its cache from free RAM; the simulator takes that size (same decisions to compare).
+    # The real engine sized its cache from free RAM; the simulator takes that size (same decisions to compare), on
+    # a profile with at least the memory the engine saw (RAM in use by others changes between calibration and now).
+    room = real_free + shape.weight_bytes() + profile.reserved_bytes
+    if profile.memory_bytes < room:
+        profile = profile.replace(memory_bytes=room)
     predicted, pwall, sim_plans, sim = _sim_run(shape, profile, wl, cfg.copy(num_blocks=real_cfg.num_blocks))
     common = sorted(set(measured) & set(predicted))
     sim_parts = {s.step_id: dict(s.cost.parts, host=s.cost.host_s, launch=s.cost.launch_s) for s in sim.steps}

@@ -132,3 +132,31 @@ class Lab:
             return out
         finally:
             kc.stop_channels()
+
+
+# ---------------------------------------------------------------------------------------------- page helpers
+def open_notebook(page, lab: "Lab", name: str) -> None:
+    """Open a notebook of `lab` in `page` and wait until its kernel is idle."""
+    page.goto(f"{lab.url}/lab/tree/{name}?token={TOKEN}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+        return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+               && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
+
+
+def run_all(page) -> None:
+    """Run ▸ Run All Cells, through the real menu."""
+    import re
+
+    page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+
+def wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
+    """Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]"."""
+    page.wait_for_function("""() => {
+        const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+        if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
+        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
+        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+    }""", timeout=timeout_ms)

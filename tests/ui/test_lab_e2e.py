@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, Lab, open_notebook, run_all
+from .lab import wait_run_all_done as _wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -55,16 +56,6 @@ class Session:
         return self.lab.kernel_eval({"v": expr})["v"]
 
 
-def _wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
-    # Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]".
-    page.wait_for_function("""() => {
-        const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-        if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
-        const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
-        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-    }""", timeout=timeout_ms)
-
-
 @pytest.fixture(scope="module")
 def session():
     reason = _skip_reason()
@@ -87,19 +78,14 @@ def session():
                 page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
                         if m.type in ("error", "warning") else None)
                 s = Session(lab, page, errors, console)
-                page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={TOKEN}")
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-                page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-                    return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                           && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
+                open_notebook(page, lab, NOTEBOOK.name)
                 s.mark("kernel idle")
                 # In use, the browser runs on the user's machine and the engine on the server. Here both share
                 # two cores, and the engine's compute threads would starve Chromium, so the latency measured
                 # would be CPU contention. Lower the kernel's main thread before any model or engine thread
                 # exists (threads inherit it); ipykernel's I/O threads, which relay messages, keep theirs.
                 s.py("__import__('os').setpriority(__import__('os').PRIO_PROCESS, 0, 10)")
-                page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                run_all(page)
                 page.wait_for_selector(".cbnb-submit", timeout=120_000)
                 s.mark("dashboard rendered")
                 page.locator(".cbnb-plots").scroll_into_view_if_needed()  # charts draw only when on screen

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import time
 
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, TOKEN, Lab
-from .test_lab_e2e import _skip_reason, _wait_run_all_done
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Lab, open_notebook, run_all, wait_run_all_done
+from .test_lab_e2e import _skip_reason
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -85,17 +84,12 @@ def test_dashboard_on_a_simulation_animates_and_submits(tmp_path):
                 def py(expr: str) -> str:
                     return lab.kernel_eval({"v": expr})["v"]
 
-                page.goto(f"{lab.url}/lab/tree/{nb.name}?token={TOKEN}")
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-                page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-                    return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                           && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
-                page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                open_notebook(page, lab, nb.name)
+                run_all(page)
                 page.wait_for_selector(".cbnb-board table", timeout=120_000)
                 page.locator(".cbnb-plots").scroll_into_view_if_needed()  # charts draw only when on screen
                 page.wait_for_selector(".cbnb-plots .js-plotly-plot", timeout=120_000)
-                _wait_run_all_done(page)
+                wait_run_all_done(page)
                 for sel in (".cbnb-submit .cbnb-workload-btn", ".cbnb-stream", ".cbnb-kvmap canvas",
                             ".cbnb-config input[type=range]"):
                     assert page.locator(sel).count() >= 1, f"{sel} not rendered"
