@@ -223,8 +223,10 @@ class EngineCore:
         self.scheduler.add_waiting(req)
         work.offloads.append(d)
 
-    def apply(self, work: StepWork, tokens: Mapping[str, int]) -> list[Request]:
+    def apply(self, work: StepWork, tokens: Mapping[str, int], now: float | None = None) -> list[Request]:
         """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
+
+        `now` time-stamps the tokens (default: the core's `clock`, the simulator's virtual time in a simulation).
 
         Registers completed blocks in the prefix index (also those of a request's final step), appends tokens,
         finishes requests on EOS / max_new_tokens and frees their blocks.
@@ -234,7 +236,7 @@ class EngineCore:
         """
         updated = []
         register = self.cache.register_completed
-        now = self.clock()
+        now = self.clock() if now is None else now
         for s in work.plan.scheduled:
             req = s.request
             if req.state >= _FINISHED:

@@ -18,12 +18,15 @@ config), `cbnb.core` (the torch-free decisions).
 Notebook lifetime: an Engine that nothing references any more (a re-run cell rebinding its name, ``del engine``)
 stops by itself: unfinished requests end CANCELLED, its KV pool is freed, and the model's attention implementation
 comes back once no other engine uses the model. Keep the engine referenced while you use its handles. An interrupt
-(KeyboardInterrupt) or a timeout inside `generate()` cancels that call's requests.
+(KeyboardInterrupt) or a timeout inside `generate()` cancels that call's requests. A served engine
+(`engine.serve()`) is held by its running server: it lives until `server.stop()` or `engine.stop()`.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 import weakref
@@ -41,6 +44,7 @@ from .loop import finalize, start as start_loop
 from .phases import LoopState
 from .prompts import prompt_ids, sampling_params, split_batch
 from .requests import Request, RequestOutput, SamplingParams
+from .runs import RunLog
 from .telemetry import Recorder
 
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
@@ -58,23 +62,37 @@ class Engine:
         telemetry: record typed events in `engine.events` (an `EventLog`) and KV usage samples; off, only the
             counters and latencies of `engine.stats()` are kept.
         event_log_size: events retained by `engine.events` (oldest dropped first).
+        runs: the run log to keep: a `cbnb.runs.RunLog` (e.g. shared with another engine), or a JSON-lines file
+            path to persist it (its entries are loaded first, so a restarted notebook keeps its history; every new
+            entry is appended; a file keeps the base config it was started with); None: a fresh in-memory log
+            whose base is this engine's first config.
 
     Attributes:
         config: the resolved config in use (every None filled in for this device: num_blocks, max_batch_tokens,
             CUDA-graph and async flags...).
         user_config: the config as given (or as last passed to `reconfigure`), Nones kept; its `to_code()` is what
             to paste into transformers on another machine, where the Nones resolve for that device.
+        runs: the run log (`cbnb.runs.RunLog`): every workload run (`cbnb.tuning.run_workload`) and every
+            `reconfigure` (recorded here by the engine itself, `records_reconfigures`), with its config change
+            against the log's base. `reset_stats()` is not an entry: it only starts a new `stats()["run"]` window
+            (every `run_workload` calls it; the run is the entry). The log is an attribute of this object, so it
+            survives `reconfigure`.
 
     Raises:
-        ValueError: for an unsupported model (attention types other than full/sliding).
+        ValueError: for an unsupported model (attention types other than full/sliding), or a `runs` file holding
+            a line that is not a run-log entry.
         MemoryError: when the cache cannot be sized in the available memory.
     """
 
     _ids = itertools.count()
+    #: `reconfigure` writes its own run-log entry (`cbnb.tuning.reconfigure` then records nothing more).
+    records_reconfigures = True
+    engine_name = "cbnb"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None,
                  config: ContinuousBatchingConfig | None = None, *, device: torch.device | str | None = None,
-                 telemetry: bool = True, event_log_size: int = 100_000) -> None:
+                 telemetry: bool = True, event_log_size: int = 100_000,
+                 runs: RunLog | str | os.PathLike | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.telemetry = bool(telemetry)
@@ -87,6 +105,7 @@ class Engine:
         self.default_eos = self._default_eos()
         self._loop = LoopState(builder, Recorder(self.telemetry, event_log_size))
         self._loop.install(config or ContinuousBatchingConfig())
+        self.runs = runs if isinstance(runs, RunLog) else RunLog(base=self.user_config, path=runs)
         # The loop thread holds the LoopState, never this object: once nobody references the Engine, this stops the
         # loop and frees the pool (also at interpreter exit).
         self._finalizer = weakref.finalize(self, finalize, self._loop)
@@ -168,24 +187,58 @@ class Engine:
         return self
 
     def stop(self, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the loop and join its thread. From the moment this is called, `submit` raises
-        `EngineStoppedError`; everything submitted before ends with a terminal output.
+        """Stop the loop and join its thread, then stop the engine's HTTP servers (`serve`). From the moment this
+        is called, `submit` raises `EngineStoppedError`; everything submitted before ends with a terminal output.
 
         Args:
-            drain: finish every submitted request first; otherwise unfinished requests end CANCELLED
-                (error "engine stopped").
-            timeout: seconds to wait for the thread (None: no limit).
+            drain: finish every submitted request first (HTTP clients get their whole responses); otherwise
+                unfinished requests end CANCELLED (error "engine stopped").
+            timeout: seconds to wait for the thread, and then for each server (None: no limit).
         """
         timeout = check_timeout(timeout)
         loop = self._loop
-        if loop.state != "running":
-            return
-        loop.inbox.request_stop(drain)
-        t = loop.thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout)
-            if not t.is_alive():
-                loop.thread = None
+        if loop.state == "running":
+            loop.inbox.request_stop(drain)
+            t = loop.thread
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout)
+                if not t.is_alive():
+                    loop.thread = None
+        # After the loop: a drained request's last tokens still reach its HTTP client. Without the server module
+        # loaded, nothing was served.
+        lifecycle = sys.modules.get("cbnb.server.lifecycle")
+        if lifecycle is not None:
+            for server in lifecycle.servers_for(self):
+                server.stop(timeout)  # uvicorn bounds its own shutdown (graceful_shutdown_s)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+              **limits: Any) -> Any:
+        """Serve this engine over an OpenAI-compatible HTTP API from a background thread of its own; returns the
+        running `cbnb.server.Server` (`url`, `counters()`, `stop()`) once the port accepts connections. Starts the
+        engine if it was never started.
+
+        Args:
+            host: the address to bind; anything but loopback needs `api_key` or `allow_unauthenticated=True`.
+            port: the TCP port (0 picks a free one: see `server.port`). A server this process already runs on the
+                port is stopped first, so re-running the cell replaces it.
+            api_key: the Bearer token clients must send (compared in constant time); None: no key.
+            limits: the other `cbnb.server.ServerSettings` fields: allow_unauthenticated, model_name,
+                max_body_bytes, max_prompt_tokens, max_tokens_limit, max_concurrent_requests, graceful_shutdown_s.
+
+        Lifetime: the running server holds this engine, so a served engine lives until `server.stop()` or
+        `engine.stop()` (which stops its servers), even once no name refers to it; a stopped server lets it go.
+        At interpreter exit, servers and engines all stop.
+
+        Raises:
+            ImportError: without the web stack: ``pip install 'cbnb[serve]'``.
+            ValueError: bad settings (the message names the field), or a non-loopback `host` without `api_key` /
+                `allow_unauthenticated`.
+            OSError: when another program holds the port.
+            RuntimeError: when the engine is stopped or dead.
+        """
+        from .server import serve  # imports without the web stack; serve() names the extra when it is missing
+
+        return serve(self, host=host, port=port, api_key=api_key, **limits)
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -218,7 +271,8 @@ class Engine:
     def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool = False,
                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               request_id: str | None = None, *, ignore_eos: bool = False, chat: bool | None = None) -> RequestHandle:
+               request_id: str | None = None, *, ignore_eos: bool = False, chat: bool | None = None,
+               source: str | None = None) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
 
         Args:
@@ -229,11 +283,14 @@ class Engine:
             request_id: a unique id (default: "req-N").
             ignore_eos: never stop on EOS (benchmarks).
             chat: apply the chat template to a text prompt (None: when the tokenizer has one).
+            source: who sent it (free text, at most `cbnb.requests.MAX_SOURCE_CHARS` characters), carried on the
+                request's outputs and shown on the dashboard's board; the HTTP server passes "http <host:port>".
+                None: a call from Python.
 
         Raises:
-            TypeError: a prompt form that is not accepted.
-            ValueError: bad prompt or sampling values (the message names the field), a duplicate request_id, or a
-                prompt with no room to generate within the model's max positions.
+            TypeError: a prompt form that is not accepted, or a `source` that is not a string.
+            ValueError: bad prompt or sampling values (the message names the field), a duplicate request_id, a
+                `source` that is too long, or a prompt with no room to generate within the model's max positions.
             queue.Full: when `config.max_queue_size` requests are already unfinished (0 = unbounded).
             EngineStoppedError: once `stop()` began, or after the engine died.
         """
@@ -244,19 +301,22 @@ class Engine:
                                   eos_token_id=eos_token_id, ignore_eos=ignore_eos, default_eos=self.default_eos,
                                   max_positions=self.max_positions)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, sp, max_new_tokens_cap=cap)
+        req = Request(rid, ids, sp, max_new_tokens_cap=cap, source=source)
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
         self._loop.submit(req, handle)
         return handle
 
     def generate(self, prompts: Iterable[Any], max_new_tokens: int | None = None, *, timeout: float | None = None,
-                 **sampling: Any) -> list[RequestOutput]:
+                 source: str | None = None, **sampling: Any) -> list[RequestOutput]:
         """Submit every prompt and wait: one `RequestOutput` per prompt, in input order.
 
         Args:
             prompts: a list of prompts (each what `submit` takes), a 2-D tensor/array (one prompt per row), or a
                 batched tokenizer output (one prompt per row, padding dropped by its attention mask).
             timeout: seconds to wait for all of them (None: no limit).
+            source: who sent them (as `submit`), the same for every prompt.
+            sampling: the other keywords of `submit` (do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                ignore_eos, chat).
 
         Raises:
             TypeError: `prompts` is a single prompt (a string, one list of ids: wrap it in a list, or use `submit`).
@@ -269,7 +329,7 @@ class Engine:
         handles: list[RequestHandle] = []
         try:
             for p in split_batch(prompts):
-                handles.append(self.submit(p, max_new_tokens=max_new_tokens, **sampling))
+                handles.append(self.submit(p, max_new_tokens=max_new_tokens, source=source, **sampling))
             deadline = None if timeout is None else time.monotonic() + timeout
             outs = []
             for h in handles:
@@ -294,6 +354,9 @@ class Engine:
         """Apply a new config between runs. Unfinished requests are kept: they restart from their prompt and the
         tokens generated so far (their KV is recomputed in the new cache). Returns the resolved config.
 
+        Each successful call appends a "reconfigure" entry to `runs` (old -> new user config; the same config
+        again is recorded too: it gives a fresh cache). A refused config records nothing.
+
         Raises:
             ValueError / MemoryError: when the new config cannot be applied (the old one stays in force).
             TimeoutError: when the loop did not apply it within `timeout` seconds.
@@ -303,18 +366,20 @@ class Engine:
         timeout = check_timeout(timeout)
         self._builder.check(config)  # cheap checks before anything changes
         loop = self._loop
+        old = self.user_config
         if loop.state != "running":
             if loop.thread is not None:
                 loop.thread.join()  # a stop that timed out: the thread still owns the parts
             with loop.lock:
                 loop.rebuild(config)
-            return self.config
-        msg = Reconfigure(config)
-        loop.inbox.control(msg)
-        if not msg.done.wait(timeout):
-            raise TimeoutError("reconfigure did not complete")
-        if msg.error is not None:
-            raise msg.error
+        else:
+            msg = Reconfigure(config)
+            loop.inbox.control(msg)
+            if not msg.done.wait(timeout):
+                raise TimeoutError("reconfigure did not complete")
+            if msg.error is not None:
+                raise msg.error
+        self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
         return self.config
 
     # ------------------------------------------------------------------------------------------ introspection
@@ -329,6 +394,18 @@ class Engine:
             out = self._loop.recorder.summary()
             out["memory_bytes"] = self.memory_split()
         return out
+
+    def latency_samples(self, cumulative: bool = True) -> dict[str, list[float]]:
+        """Every finished request's latencies in seconds (`RunStats.latency_samples`): {"ttft_s", "tpot_s",
+        "e2e_latency_s", "queue_time_s"}, each a list in finishing order, copied under the loop's lock.
+
+        Args:
+            cumulative: since the engine was built (never reset: what a Prometheus histogram needs); False: this
+                run, since `reset_stats()`.
+        """
+        with self._loop.lock:
+            rec = self._loop.recorder
+            return (rec.total if cumulative else rec.run).latency_samples()
 
     def reset_stats(self) -> None:
         """Start a new run for `stats()["run"]` (the cumulative figures keep counting)."""

@@ -262,6 +262,14 @@ class HandleTable:
         if h is not None:
             h._push(token_ids, state)
 
+    def finish_many(self, requests: list[Request]) -> None:
+        """`finish` for many requests under one lock (the engine stopping with a long queue)."""
+        with self._lock:
+            handles = [self._handles.pop(r.request_id, None) for r in requests]
+        for h, r in zip(handles, requests):
+            if h is not None:
+                h._finish(r)
+
     def finish(self, request: Request) -> None:
         """Hand a terminal request to its handle, which leaves the table."""
         with self._lock:

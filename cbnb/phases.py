@@ -271,11 +271,7 @@ class LoopState:
                 for req in list(self.core.requests.values()):
                     req.error = reason
                     self.core.cancel(req.request_id)
-            for req in leftover:  # submitted but never admitted: they end too, so no handle waits forever
-                req.error = reason
-                req.finish_reason = "cancelled"
-                req.transition(RequestState.CANCELLED)
-                self._on_terminal(req)
+            self._end_unadmitted(leftover, reason)
             for msg in controls:
                 msg.error = EngineStoppedError(reason)
                 msg.done.set()
@@ -287,6 +283,18 @@ class LoopState:
             self.exited = True
             if self.release_on_exit:
                 self.release()
+
+    def _end_unadmitted(self, leftover: list[Request], reason: str) -> None:
+        """End the submissions the loop never took: CANCELLED, so no handle waits forever. In bulk, because a
+        producer in a tight loop can queue hundreds of thousands before `stop()`: they never reached the core, the
+        runner or the event log, so only their handles and the run counters hear of them."""
+        for req in leftover:
+            req.error = reason
+            req.finish_reason = "cancelled"
+            req.transition(RequestState.CANCELLED)
+        self.recorder.requests_refused(len(leftover))
+        self.recent.extend(leftover[-(self.recent.maxlen or 0):])
+        self.handles.finish_many(leftover)
 
     def _on_terminal(self, req: Request) -> None:
         self.runner.forget(req.request_id)

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 __all__ = [
     "CACHE_EXHAUSTED",
     "FINISH_REASONS",
+    "MAX_SOURCE_CHARS",
     "RequestState",
     "IllegalTransition",
     "SamplingParams",
@@ -186,6 +187,9 @@ class RequestTimings:
 
 _ARRIVAL = itertools.count()
 
+#: The longest `Request.source` accepted (characters).
+MAX_SOURCE_CHARS = 512
+
 
 class Request:
     """One generation request and its engine-side bookkeeping.
@@ -196,16 +200,19 @@ class Request:
         sampling: a `SamplingParams`.
         max_new_tokens_cap: the effective limit when `sampling.max_new_tokens` is None (model max positions minus
             the prompt length); must be >= 1.
+        source: who sent it, free text shown on the dashboard's board (e.g. "http 127.0.0.1:53211"); None: a
+            call from the notebook. At most `MAX_SOURCE_CHARS` characters.
 
     Raises:
-        ValueError: on an empty prompt or a non-integer / negative token id.
+        ValueError: on an empty prompt, a non-integer / negative token id, or a `source` that is too long.
+        TypeError: on a `source` that is neither a string nor None.
     """
 
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "sampling", "max_new_tokens", "state", "arrival",
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
-        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data",
-        "_phase_has_output",
+        "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "token_times",
+        "source", "_phase_has_output",
     )
 
     def __init__(
@@ -216,9 +223,15 @@ class Request:
         *,
         max_new_tokens_cap: int | None = None,
         now: float | None = None,
+        source: str | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string; got {request_id!r}")
+        if source is not None:
+            if not isinstance(source, str):
+                raise TypeError(f"source must be a string or None; got {type(source).__name__}")
+            if len(source) > MAX_SOURCE_CHARS:
+                raise ValueError(f"source must be at most {MAX_SOURCE_CHARS} characters; got {len(source)}")
         ids = []
         for i in prompt_ids:
             # Accept any integer-like id (numpy / torch integer scalars), stored as a plain int.
@@ -234,6 +247,7 @@ class Request:
         self.request_id = request_id
         self.prompt_ids: list[int] = ids
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []  # when each output token was appended (perf_counter s, or `now`)
         self.sampling = sampling or SamplingParams()
         limit = self.sampling.max_new_tokens
         if limit is None:
@@ -259,6 +273,7 @@ class Request:
         self.warning: str | None = None  # set at admission when the request can never fit the cache
         self.text: str = ""
         self.user_data: Any = None
+        self.source: str | None = source
 
     # ------------------------------------------------------------------------------------------ token accounting
     @property
@@ -337,8 +352,10 @@ class Request:
         if self.pending_samples > 0:
             self.pending_samples -= 1
         self.output_ids.append(int(token))
+        t = time.perf_counter() if now is None else now
+        self.token_times.append(t)
         if self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter() if now is None else now
+            self.timings.first_token = t
         if not self.sampling.ignore_eos and token in self.sampling.eos_token_ids:
             self.finish_reason = "eos"
             return True
@@ -363,6 +380,8 @@ class Request:
             num_offloads=self.num_offloads,
             num_soft_resets=self.num_soft_resets,
             max_new_tokens=self.max_new_tokens,
+            source=self.source,
+            token_times=list(self.token_times),
         )
 
     def __repr__(self) -> str:
@@ -392,6 +411,10 @@ class RequestOutput:
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
+        source: who sent the request (e.g. "http 127.0.0.1:53211" for the HTTP server); None for a call from
+            Python.
+        token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
+            the source of inter-token latencies.
     """
 
     request_id: str
@@ -407,6 +430,8 @@ class RequestOutput:
     num_offloads: int = 0
     num_soft_resets: int = 0
     max_new_tokens: int | None = None
+    source: str | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ Definitions:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any, Iterable
@@ -32,8 +33,8 @@ def percentiles(values: Iterable[float]) -> dict[str, float | None]:
     if not xs:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None, "count": 0}
 
-    def rank(p: float) -> float:
-        k = max(0, min(len(xs) - 1, int(round(p / 100 * len(xs) + 0.5)) - 1))
+    def rank(p: float) -> float:  # the smallest value with at least p % of the values <= it
+        k = max(0, min(len(xs) - 1, math.ceil(p / 100 * len(xs) - 1e-9) - 1))
         return xs[k]
 
     return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "mean": sum(xs) / len(xs), "max": xs[-1],
@@ -132,6 +133,13 @@ class RunStats:
                 self.tpot.append((tm.e2e_s - tm.ttft_s) / (n - 1))
         if tm.queue_s is not None:
             self.queue.append(tm.queue_s)
+
+    def latency_samples(self) -> dict[str, list[float]]:
+        """Copies of the per-request latencies behind the summary's percentiles, in seconds, in the order the
+        requests finished: {"ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s"} (FINISHED requests only; TPOT
+        only for those with two tokens or more). For histograms (the server's `/metrics`) and custom percentiles."""
+        return {"ttft_s": list(self.ttft), "tpot_s": list(self.tpot), "e2e_latency_s": list(self.e2e),
+                "queue_time_s": list(self.queue)}
 
     def summary(self) -> dict[str, Any]:
         """Flat figures with units in the names."""

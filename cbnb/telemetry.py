@@ -118,6 +118,12 @@ class Recorder:
                 num_soft_resets=req.num_soft_resets))
         self._emitted.pop(req.request_id, None)
 
+    def requests_refused(self, n: int) -> None:
+        """`n` submissions ended CANCELLED before they were admitted (the engine stopped): counted, not logged
+        (the log never announced them)."""
+        for stats in (self.run, self.total):
+            stats.done["CANCELLED"] += n
+
     def _transitions(self, req: Request, final: bool = False) -> None:
         if req.is_terminal and not final:
             return  # `request_done` announced all of its transitions already

@@ -6,23 +6,65 @@ name               requests  prompt tokens                   new tokens         
 ``cpu-32``         32        U[32, 256]                      32                   smollm2-135m fp32 CPU
 ``shared-prefix``  64        512 common + U[16, 64] own      32                   smollm2-135m      CPU, GPU
 ``long-gen``       16        U[16, 64]                       512 (small cache)    smollm2-135m      CPU
+``cpu-poisson``    64        lognormal(128, 0.5) in [16,512] lognormal(32, 0.5)   smollm2-135m      CPU
+                             Poisson arrivals at CPU_POISSON_RATE (~70 % of this machine's capacity)
+``chat-burst``     64        half: 256-token system prompt   lognormal(32, 0.5)   smollm2-135m      CPU, sim
+                             + lognormal(64, 0.6) own; gamma arrivals, cv 3, at CPU_POISSON_RATE
 ``nanovllm-256``   256       U[100, 1024]                    U[100, 1024]         shape:qwen3-0.6b  GPU
 =================  ========  ==============================  ===================  ================  ==========
 
+Every workload has per-request arrival times (`Workload.arrival_s`, seconds from the start of a run): all 0 for the
+offline ones (``cpu-32``, ``shared-prefix``, ``long-gen``, ``nanovllm-256``, unchanged from before arrivals
+existed), drawn from `cbnb.traffic` processes for ``cpu-poisson`` and ``chat-burst``. `with_arrivals` re-times any
+workload (same prompts, new arrivals), `synthetic` builds one from an arrival process and two length distributions,
+and `from_trace` from a JSONL/CSV trace file (`cbnb.traffic.read_trace` documents the format).
+
 `scale` shrinks a workload for CI and notebooks: request counts and token counts are multiplied by it (at least 1
-request, 1 new token and 4 prompt tokens), keeping the shape of the distribution. Token ids are drawn from
-``[FIRST_ID, vocab_size)`` so that special tokens (low ids in SmolLM2 and Gemma) are avoided.
+request, 1 new token and 4 prompt tokens), keeping the shape of the distribution. Arrival rates are not scaled
+(a scaled-down Poisson workload is a lighter load). Token ids are drawn from ``[FIRST_ID, vocab_size)`` so that
+special tokens (low ids in SmolLM2 and Gemma) are avoided.
+
+How ``CPU_POISSON_RATE`` was derived: the cpu-poisson requests were run offline (all at 0, on a fresh cache: the
+capacity measurement `cbnb.tuning.measure_capacity` makes) with the workload's config hints on this machine
+(2 cores, float32, 2 torch threads), 5 times. The capacity is the finished requests per second of such a run
+(the engine never idles), and the rate is 70 % of it (utilisation = arrival rate / service capacity). The 5 runs
+gave 0.17-2.34 requests/s because the 2 cores were shared with other jobs (load average 6-7); contention only
+lowers a run's rate, so the machine's own capacity is the fastest run, 2.34 requests/s (it also matches the
+arithmetic: ~9,000 prompt tokens at ~700 tok/s plus ~2,100 decode tokens at ~150 tok/s take ~27 s), and the rate is
+0.7 x 2.34 = 1.6 requests/s. Under heavy contention two torch threads collapse (each OpenMP thread waits for the
+other whenever one loses its core: 0.12-0.17 requests/s, against 0.9-1.4 with one thread in the same minutes), so on
+a shared machine set ``OMP_NUM_THREADS=1`` and measure the capacity where you run (notebook 02 does). The figures are
+in `CPU_POISSON_CALIBRATION`. On another machine, measure its
+capacity and re-time: ``with_arrivals(wl, Poisson(0.7 * measure_capacity(engine, wl)["capacity_requests_per_s"]))``
+(its median; take the max of more repeats on a shared machine).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
-__all__ = ["Workload", "WORKLOADS", "get_workload", "FIRST_ID"]
+from . import traffic as tr
+
+__all__ = ["Workload", "WORKLOADS", "get_workload", "FIRST_ID", "synthetic", "with_arrivals", "from_trace",
+           "CPU_POISSON_RATE", "CPU_POISSON_CALIBRATION"]
 
 FIRST_ID = 32
+
+#: Poisson rate of ``cpu-poisson`` (requests/s): 70 % of the capacity measured on this machine (see the module doc).
+CPU_POISSON_RATE = 1.6
+#: The measurement behind `CPU_POISSON_RATE` (2026-12-01, 2 cores shared with other jobs: load average 6-7).
+CPU_POISSON_CALIBRATION: dict[str, Any] = {
+    "load": 0.7, "capacity_requests_per_s": 2.34, "estimator": "max over runs (contention only lowers it)",
+    "runs_requests_per_s": [0.533, 0.506, 2.338, 1.112, 0.166], "median_requests_per_s": 0.533,
+    "config": {"page_size": 32, "num_blocks": 128, "max_batch_tokens": 256}, "threads": 2,
+    "command": "scripts/calibrate_cpu_poisson.py --repeats 5 --load 0.7", "date": "2026-12-01",
+    # Later the same day, load average 5-9: 2 threads 0.12-0.17 requests/s, 1 thread 0.89-1.36 (--threads 1).
+    "contended_runs": {"threads_2": [0.123, 0.170, 0.144], "threads_1": [1.362, 0.895, 0.934]},
+}
 
 
 @dataclass(frozen=True)
@@ -32,27 +74,61 @@ class Workload:
     Attributes:
         name: workload name.
         model: the model name `cbnb.load_model` takes.
-        prompts: token ids per request.
+        prompts: token ids per request (or text, from a trace without a tokenizer: the engine tokenises it).
         max_new_tokens: per request (EOS is ignored, so exactly this many are generated).
         config_hints: `ContinuousBatchingConfig` fields the workload is designed around (e.g. a small num_blocks).
         dtype: the dtype the workload is specified for.
+        arrival_s: per request, seconds from the start of a run at which it is submitted (empty: all 0).
+        traffic: how the arrivals and lengths were made (JSON-able specs, seed, scale), for the run log.
+
+    Raises:
+        ValueError: lengths of prompts / max_new_tokens / arrival_s differ, or an arrival time is negative or not
+            finite.
     """
 
     name: str
     model: str
-    prompts: list[list[int]]
+    prompts: list[Any]
     max_new_tokens: list[int]
     config_hints: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     description: str = ""
+    arrival_s: list[float] = field(default_factory=list)
+    traffic: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if len(self.max_new_tokens) != n:
+            raise ValueError(f"max_new_tokens has {len(self.max_new_tokens)} entries for {n} prompts")
+        if not self.arrival_s:
+            object.__setattr__(self, "arrival_s", [0.0] * n)
+        elif len(self.arrival_s) != n:
+            raise ValueError(f"arrival_s has {len(self.arrival_s)} entries for {n} prompts")
+        for i, t in enumerate(self.arrival_s):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"arrival_s[{i}] must be a finite number of seconds >= 0; got {t!r}")
+        if not self.traffic:
+            object.__setattr__(self, "traffic", {"arrivals": tr.Offline().spec()} if not any(self.arrival_s)
+                               else {"arrivals": {"kind": "explicit"}})
 
     @property
     def num_requests(self) -> int:
         return len(self.prompts)
 
     @property
+    def offline(self) -> bool:
+        """True when every request arrives at 0."""
+        return not any(self.arrival_s)
+
+    @property
+    def duration_s(self) -> float:
+        """The last arrival time (seconds)."""
+        return max(self.arrival_s, default=0.0)
+
+    @property
     def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+        """Prompt tokens of the token-id prompts (text prompts count once tokenised, so not here)."""
+        return sum(len(p) for p in self.prompts if not isinstance(p, str))
 
     @property
     def output_tokens(self) -> int:
@@ -107,12 +183,114 @@ def _nanovllm(rng: random.Random, vocab: int, scale: float) -> Workload:
                     description="nano-vllm's benchmark: 256 requests, random ids, U[100,1024] in and out")
 
 
+def synthetic(name: str, n: int, arrivals: Any, prompt_len: Any, output_len: Any, *, model: str = "smollm2-135m",
+              vocab_size: int = 49152, seed: int = 0, shared_prefix_tokens: int = 0, shared_fraction: float = 0.0,
+              config_hints: dict[str, Any] | None = None, description: str = "", scale: float = 1.0) -> Workload:
+    """A workload of `n` random-id requests with arrival times and lengths from `cbnb.traffic` generators.
+
+    Args:
+        arrivals: an arrival process (`Offline`, `Poisson`, `Gamma`).
+        prompt_len, output_len: length distributions (`Fixed`, `Uniform`, `LogNormal`, `Empirical`); prompt lengths
+            exclude the shared prefix.
+        shared_prefix_tokens: length of a common system prompt put in front of `shared_fraction` of the requests
+            (which ones: a seeded draw).
+        scale: applied to `n`, the lengths and the shared prefix (not to the arrival rate).
+
+    The prompts, the lengths and the arrivals come from three seeded streams, so re-timing a workload
+    (`with_arrivals`) or changing the arrival rate leaves the prompts as they were.
+
+    Raises:
+        ValueError: n < 1, a shared_fraction outside [0, 1], or a vocabulary too small.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an integer >= 1; got {n!r}")
+    if not 0.0 <= shared_fraction <= 1.0:
+        raise ValueError(f"shared_fraction must be in [0, 1]; got {shared_fraction!r}")
+    if vocab_size <= FIRST_ID:
+        raise ValueError(f"vocab_size must be > {FIRST_ID}; got {vocab_size}")
+    if scale != 1.0:
+        n = _n(n, scale)
+        prompt_len, output_len = prompt_len.scaled(scale), output_len.scaled(scale)
+        shared_prefix_tokens = _n(shared_prefix_tokens, scale, 4) if shared_prefix_tokens else 0
+    ids_rng = random.Random(f"{name}:{seed}:ids")
+    len_rng = random.Random(f"{name}:{seed}:lengths")
+    p_lens = prompt_len.sample(n, len_rng)
+    o_lens = output_len.sample(n, len_rng)
+    common = _ids(ids_rng, shared_prefix_tokens, vocab_size) if shared_prefix_tokens else []
+    shared = set(ids_rng.sample(range(n), round(shared_fraction * n))) if common else set()
+    prompts = [(common if i in shared else []) + _ids(ids_rng, p_lens[i], vocab_size) for i in range(n)]
+    times = arrivals.times(n, random.Random(f"{name}:{seed}:arrivals"))
+    traffic = {"arrivals": arrivals.spec(), "prompt_len": prompt_len.spec(), "output_len": output_len.spec(),
+               "shared_prefix_tokens": shared_prefix_tokens, "shared_requests": len(shared), "seed": seed,
+               "scale": scale}
+    return Workload(name, model, prompts, o_lens, dict(config_hints or {}), description=description,
+                    arrival_s=times, traffic=traffic)
+
+
+def with_arrivals(workload: Workload, arrivals: Any, *, seed: int | None = None, name: str | None = None) -> Workload:
+    """The same requests with arrival times from `arrivals` (e.g. ``Poisson(2.0)``, or ``Offline()``).
+
+    `seed` defaults to the workload's own seed, so the same process gives the same times.
+    """
+    s = workload.traffic.get("seed", 0) if seed is None else seed
+    times = arrivals.times(workload.num_requests, random.Random(f"{workload.name}:{s}:arrivals"))
+    traffic = dict(workload.traffic, arrivals=arrivals.spec(), seed=s)
+    return replace(workload, name=name or workload.name, arrival_s=times, traffic=traffic)
+
+
+def from_trace(path: str | os.PathLike, *, name: str | None = None, model: str = "smollm2-135m",
+               vocab_size: int = 49152, seed: int = 0, tokenizer: Any = None,
+               config_hints: dict[str, Any] | None = None) -> Workload:
+    """A workload from a JSONL/CSV trace (`cbnb.traffic.read_trace`): one request per row, in file order.
+
+    Rows with ``prompt_tokens`` get that many seeded random ids; rows with ``prompt`` text are tokenised with
+    `tokenizer` when given (``tokenizer(text)["input_ids"]``), else kept as text for the engine to tokenise.
+
+    Raises:
+        cbnb.traffic.TraceError: a bad row (file, line, column).
+    """
+    rows = tr.read_trace(path)
+    rng = random.Random(f"trace:{seed}")
+    prompts: list[Any] = []
+    for r in rows:
+        if r.prompt is not None:
+            prompts.append(list(tokenizer(r.prompt)["input_ids"]) if tokenizer is not None else r.prompt)
+        else:
+            prompts.append(_ids(rng, int(r.prompt_tokens), vocab_size))
+    nm = name or os.path.splitext(os.path.basename(os.fspath(path)))[0]
+    traffic = {"arrivals": {"kind": "trace", "path": os.fspath(path)}, "seed": seed}
+    return Workload(nm, model, prompts, [r.output_tokens for r in rows], dict(config_hints or {}),
+                    description=f"trace {os.fspath(path)} ({len(rows)} requests)",
+                    arrival_s=[r.arrival_s for r in rows], traffic=traffic)
+
+
+def _cpu_poisson(vocab: int, scale: float, seed: int, rate: float | None) -> Workload:
+    return synthetic("cpu-poisson", 64, tr.Poisson(rate or CPU_POISSON_RATE), tr.LogNormal(128, 0.5, 16, 512),
+                     tr.LogNormal(32, 0.5, 4, 128), vocab_size=vocab, seed=seed, scale=scale,
+                     config_hints={"page_size": 32, "num_blocks": 128, "max_batch_tokens": 256},
+                     description="64 requests, Poisson arrivals at ~70 % of this machine's capacity, "
+                                 "lognormal prompt and output lengths")
+
+
+def _chat_burst(vocab: int, scale: float, seed: int, rate: float | None) -> Workload:
+    return synthetic("chat-burst", 64, tr.Gamma(rate or CPU_POISSON_RATE, 3.0), tr.LogNormal(64, 0.6, 8, 256),
+                     tr.LogNormal(32, 0.5, 4, 128), vocab_size=vocab, seed=seed, scale=scale,
+                     shared_prefix_tokens=256, shared_fraction=0.5,
+                     config_hints={"page_size": 16, "num_blocks": 256, "max_batch_tokens": 256},
+                     description="64 chat requests in bursts (gamma arrivals, cv 3); half share a 256-token "
+                                 "system prompt")
+
+
 _BUILDERS = {"cpu-32": _cpu32, "shared-prefix": _shared, "long-gen": _longgen, "nanovllm-256": _nanovllm}
-WORKLOADS: tuple[str, ...] = tuple(_BUILDERS)
+_TIMED = {"cpu-poisson": _cpu_poisson, "chat-burst": _chat_burst}
+WORKLOADS: tuple[str, ...] = ("cpu-32", "shared-prefix", "long-gen", "cpu-poisson", "chat-burst", "nanovllm-256")
+_MODEL = {"cpu-32": "smollm2-135m", "shared-prefix": "smollm2-135m", "long-gen": "smollm2-135m",
+          "cpu-poisson": "smollm2-135m", "chat-burst": "smollm2-135m", "nanovllm-256": "shape:qwen3-0.6b"}
 _DEFAULT_VOCAB = {"smollm2-135m": 49152, "shape:qwen3-0.6b": 151936}
 
 
-def get_workload(name: str, *, vocab_size: int | None = None, seed: int = 0, scale: float = 1.0) -> Workload:
+def get_workload(name: str, *, vocab_size: int | None = None, seed: int = 0, scale: float = 1.0,
+                 rate: float | None = None) -> Workload:
     """Build a standard workload.
 
     Args:
@@ -120,17 +298,22 @@ def get_workload(name: str, *, vocab_size: int | None = None, seed: int = 0, sca
         vocab_size: ids are drawn below it (default: the workload model's vocabulary).
         seed: RNG seed (the same seed gives the same workload).
         scale: multiply request and token counts (0 < scale <= 1 shrinks it for CI/notebooks).
+        rate: arrival rate in requests/s for the timed workloads (cpu-poisson, chat-burst; default
+            `CPU_POISSON_RATE`); ignored by the offline ones.
 
     Raises:
-        ValueError: unknown name (lists the choices) or a non-positive scale / too small vocabulary.
+        ValueError: unknown name (lists the choices), a non-positive scale or rate, or a too small vocabulary.
     """
-    if name not in _BUILDERS:
+    if name not in _MODEL:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
     if not (scale > 0):
         raise ValueError(f"scale must be > 0; got {scale!r}")
-    model = {"cpu-32": "smollm2-135m", "shared-prefix": "smollm2-135m", "long-gen": "smollm2-135m",
-             "nanovllm-256": "shape:qwen3-0.6b"}[name]
-    vocab = vocab_size or _DEFAULT_VOCAB[model]
+    if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a number of requests/s > 0; got {rate!r}")
+    vocab = vocab_size or _DEFAULT_VOCAB[_MODEL[name]]
     if vocab <= FIRST_ID:
         raise ValueError(f"vocab_size must be > {FIRST_ID}; got {vocab}")
-    return _BUILDERS[name](random.Random(f"{name}:{seed}"), vocab, scale)
+    if name in _TIMED:
+        return _TIMED[name](vocab, scale, seed, rate)
+    wl = _BUILDERS[name](random.Random(f"{name}:{seed}"), vocab, scale)
+    return replace(wl, traffic={"arrivals": tr.Offline().spec(), "seed": seed, "scale": scale})

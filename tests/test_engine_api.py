@@ -78,6 +78,44 @@ def test_request_ids_custom_and_duplicate(llama):
     assert engine.cancel("unknown-id") is False
 
 
+def test_source_is_carried_to_outputs_and_snapshots(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    with engine:
+        h = engine.submit([5, 6, 7], max_new_tokens=3, eos_token_id=-1, source="workshop laptop 7")
+        outs = engine.generate([[8, 9], [10, 11]], max_new_tokens=2, eos_token_id=-1, source="batch job",
+                               timeout=TIMEOUT)
+        plain = engine.submit([12, 13], max_new_tokens=2, eos_token_id=-1)
+        assert h.result(TIMEOUT).source == "workshop laptop 7"
+        assert [o.source for o in outs] == ["batch job", "batch job"]
+        assert plain.result(TIMEOUT).source is None
+        snap = {o.request_id: o.source for o in engine.requests_snapshot()}
+        assert snap[h.request_id] == "workshop laptop 7" and snap[plain.request_id] is None
+        assert {snap[o.request_id] for o in outs} == {"batch job"}
+        with pytest.raises(TypeError, match="source must be a string"):
+            engine.submit([5, 6], max_new_tokens=2, source=7)
+        with pytest.raises(ValueError, match="source must be at most 512 characters; got 513"):
+            engine.submit([5, 6], max_new_tokens=2, source="x" * 513)
+        assert engine.cancel_all() == 0  # the refused submissions queued nothing
+
+
+def test_latency_samples_are_the_stats_figures(llama):
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    with engine:
+        engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=3, eos_token_id=-1, timeout=TIMEOUT)
+        lat, st = engine.latency_samples(), engine.stats()["cumulative"]
+        assert sorted(lat) == ["e2e_latency_s", "queue_time_s", "tpot_s", "ttft_s"]
+        for key in lat:
+            assert len(lat[key]) == st[key]["count"] == 2 and max(lat[key]) == st[key]["max"]
+        lat["ttft_s"].clear()  # a copy: the engine's figures are untouched
+        assert len(engine.latency_samples()["ttft_s"]) == 2
+        engine.reset_stats()
+        engine.generate([[5, 6]], max_new_tokens=2, eos_token_id=-1, timeout=TIMEOUT)
+        assert len(engine.latency_samples(cumulative=False)["e2e_latency_s"]) == 1
+        assert len(engine.latency_samples()["e2e_latency_s"]) == 3
+
+
 # ----------------------------------------------------------------------------------------------- streaming
 def test_streaming_tokens(llama):
     model, oracle = llama

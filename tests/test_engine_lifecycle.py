@@ -383,6 +383,8 @@ def test_submit_flood_keeps_steps_running_stop_is_prompt_and_nothing_is_lost(lla
     outs = [h.result(timeout=0) for h in handles]  # every accepted submission ended; none waits
     assert {o.state for o in outs} <= {RequestState.FINISHED, RequestState.CANCELLED}
     assert any(o.state == RequestState.FINISHED for o in outs)
+    counts = engine.stats()["cumulative"]  # the ones never admitted are counted too
+    assert counts["requests_finished"] + counts["requests_cancelled"] == len(outs)
     assert_cache_empty(engine)
 
 

@@ -3,6 +3,9 @@
 Every test checks token equality against the per-request oracle *and* that the config really exercised the path it
 names (a prompt split into chunks, prefix hits, swaps, soft resets), so a config that silently degenerates into the
 easy path fails. After every run the cache must be empty and its invariants hold.
+
+The whole module runs twice: with the fast path (the compiled CPU decode-attention kernel, `cbnb.runner.cpu_kernels`;
+every engine run must then have called it) and with the torch attention path (``CBNB_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import pytest
 
 import cbnb
 from cbnb.requests import RequestState
+from cbnb.runner import cpu_kernels, model_runner
 
 from helpers_engine import (
     SHARING_MODELS, STD_NEW, STD_PROMPTS, TIMEOUT, TINY_MODELS, WINDOW, StepRecorder, assert_cache_empty, config,
@@ -22,6 +26,52 @@ from helpers_engine import (
 def _one_thread():
     with torch_threads(1):
         yield
+
+
+KERNEL_CALLS = {"mode": None, "n": 0, "decode_steps": 0}
+
+
+@pytest.fixture(scope="module", autouse=True, params=["fast", "torch"], ids=["fast_path", "torch_path"])
+def fast_path(request):
+    """Run the module with the CPU kernel (counting its calls) or with ``CBNB_CPU_KERNELS=0``."""
+    mp = pytest.MonkeyPatch()
+    if request.param == "torch":
+        mp.setenv("CBNB_CPU_KERNELS", "0")
+    else:
+        mp.delenv("CBNB_CPU_KERNELS", raising=False)
+        if not cpu_kernels.available():
+            pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernels.build_error()}")
+    real = cpu_kernels.paged_decode
+
+    def counted(*a, **k):
+        KERNEL_CALLS["n"] += 1
+        return real(*a, **k)
+
+    mp.setattr(cpu_kernels, "paged_decode", counted)
+    build = model_runner.build_step_batch
+
+    def counting_build(entries, *a, **k):
+        if any(e.num_tokens == 1 and e.start > 0 for e in entries):
+            KERNEL_CALLS["decode_steps"] += 1
+        return build(entries, *a, **k)
+
+    mp.setattr(model_runner, "build_step_batch", counting_build)
+    KERNEL_CALLS["mode"] = request.param
+    yield request.param
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _kernel_used():
+    """On the fast path every test whose engines decoded went through the kernel; on the torch path none did."""
+    before, steps = KERNEL_CALLS["n"], KERNEL_CALLS["decode_steps"]
+    yield
+    if KERNEL_CALLS["decode_steps"] == steps:
+        return
+    if KERNEL_CALLS["mode"] == "fast":
+        assert KERNEL_CALLS["n"] > before, "the fast path never called the decode kernel"
+    else:
+        assert KERNEL_CALLS["n"] == before
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)

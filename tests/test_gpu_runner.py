@@ -335,6 +335,34 @@ def test_prefix_sharing_graphs_async():
     assert all(o.prefix_cached_tokens >= 48 for o in rest)
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync-loop", "async-loop"])
+def test_token_times_reach_outputs_and_driver_records(async_):
+    """Per-token times go from the loop's apply (the sync loop, or the async one collecting step N after launching
+    N+1) through the handle's lazily built output to `RequestOutput.token_times` and the driver's records."""
+    from cbnb import traffic as tr
+    from cbnb.tuning import run_workload
+    from cbnb.workloads import synthetic
+
+    name = "tiny:llama"
+    cfg = config(page_size=16, max_batch_tokens=32, q_padding_interval_size=8, kv_padding_interval_size=48)
+    wl = synthetic("t", 4, tr.Poisson(50.0), tr.Uniform(4, 30), tr.Uniform(3, 8), vocab_size=512, seed=2)
+    eng, r = gpu_engine(tiny_model(name), cfg, async_=async_)
+    with eng:
+        outs = results(submit_together(eng, STD_PROMPTS[:4], [5, 9, 3, 12]))
+        run = run_workload(eng, wl, timeout=120, log=False)
+    assert r.async_mode == async_ and (r.describe()["carried_tokens"] > 0) == async_
+    for o, n in zip(outs, [5, 9, 3, 12]):
+        t, tm = o.token_times, o.timings
+        assert len(o.token_ids) == len(t) == n
+        assert all(a < b for a, b in zip(t, t[1:]))  # one token per step, each step applied after the last
+        assert tm.scheduled <= t[0] == tm.first_token and t[-1] <= tm.finished
+    oracle = oracle_for(name)
+    for rec, prompt, n in zip(run.records, wl.prompts, wl.max_new_tokens):
+        assert rec.token_ids == oracle(prompt, n) and len(rec.token_times_s) == n
+        assert rec.first_token_s == rec.token_times_s[0] and len(rec.itl_s) == n - 1 and min(rec.itl_s) > 0
+    assert run.metrics["itl_s_p50"] > 0
+
+
 # ------------------------------------------------------------------------------------------------ padding
 def test_padded_step_writes_only_real_slots_and_trash():
     model = tiny_model("tiny:gemma3")  # two layer groups (sliding ring + full) sharing the pool's bytes

@@ -37,6 +37,16 @@ def test_sim_imports_and_simulates_without_torch():
     assert set(SIM) <= mods
 
 
+# The tuning lab drives any engine-like object, the simulator's too: it imports no torch either.
+LAB = ["cbnb.traffic", "cbnb.driver", "cbnb.metrics", "cbnb.runs", "cbnb.tuning", "cbnb.export", "cbnb.peers"]
+
+
+def test_tuning_lab_does_not_import_torch():
+    mods = _loaded_after("\n".join(f"import {m}" for m in LAB))
+    assert "torch" not in mods and "transformers" not in mods and "pandas" not in mods
+    assert set(LAB) <= mods
+
+
 def test_engine_imports_without_ui_or_gguf():
     # Make the UI libraries and gguf unimportable, as on the GPU machine.
     code = ("import sys\nfor m in ('ipywidgets', 'anywidget', 'plotly', 'gguf'): sys.modules[m] = None\n"
@@ -44,6 +54,19 @@ def test_engine_imports_without_ui_or_gguf():
             "print(cbnb.Engine.__name__, cbnb.ContinuousBatchingConfig.__name__)")
     mods = _loaded_after(code)
     assert "cbnb.engine" in mods and "torch" in mods
+
+
+def test_engine_and_server_package_import_without_the_web_stack():
+    # Without the `serve` extra, cbnb and cbnb.server still import; serve() names the install command.
+    code = ("import sys\nfor m in ('uvicorn', 'starlette', 'pydantic', 'prometheus_client'): sys.modules[m] = None\n"
+            "import cbnb, cbnb.engine, cbnb.server\n"
+            "from cbnb.server import serve\n"
+            "try:\n    serve(None)\nexcept ImportError as e:\n    print('ERR', e)\n"
+            "try:\n    cbnb.Engine.serve(None, port=0)\nexcept ImportError as e:\n    print('METHOD', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'cbnb[serve]'" in out and "uvicorn" in out
+    method = out[out.index("METHOD"):]  # engine.serve() says the same
+    assert "pip install 'cbnb[serve]'" in method and "uvicorn" in method
 
 
 def test_plan_data_imports_nothing_that_decides():

@@ -11,9 +11,9 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
 
 
-def test_the_four_notebooks_exist():
+def test_the_notebooks_exist():
     assert NOTEBOOKS == ["01_quickstart.ipynb", "02_tuning_page_size_and_safety_margin.ipynb",
-                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb"]
+                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb", "06_serve_and_load.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -40,9 +40,12 @@ def _texts(nb) -> str:
 # What each notebook must show once it ran: the numbers its conclusions are drawn from.
 EXPECT = {
     "01_quickstart.ipynb": ["output tok/s", "ContinuousBatchingConfig("],
-    "02_tuning_page_size_and_safety_margin.ipynb": ["Fragmentation", "soft-reset", "ContinuousBatchingConfig("],
+    "02_tuning_page_size_and_safety_margin.ipynb": ["Fragmentation", "median [min-max]", "Greedy outputs identical",
+                                                    "ContinuousBatchingConfig(", "vllm serve"],
     "03_prefix_caching.ipynb": ["of the prompt tokens were served from the cache"],
     "04_offloading_and_soft_reset.ipynb": ["Without a swap pool the engine soft-reset"],
+    "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
+                                "stopped"],
 }
 
 
@@ -53,6 +56,10 @@ def test_notebook_runs_headless(name, monkeypatch, tmp_path):
 
     monkeypatch.setenv("CBNB_CI", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # One torch thread in the kernel: on a machine shared with other jobs two threads collapse (cbnb.workloads'
+    # calibration notes: 0.12-0.17 vs 0.9-1.4 requests/s), and notebook 02's timed traffic is paced by the capacity
+    # it measures, so its duration would grow with the contention.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(EXAMPLES)}}).execute()  # raises on any cell error

@@ -257,7 +257,7 @@ def test_config_apply_retunes_between_runs_and_keeps_queued_requests(engine):
     p = ConfigPanel(engine, poller=poller)
     handles = [engine.submit(ids(30, k), max_new_tokens=30, ignore_eos=True) for k in range(4)]
     msg(p, kind="apply", values={"max_batch_tokens": 128, "page_size": 32, "num_blocks": 48})
-    assert p.busy
+    assert p.busy or p.applied_count == 1  # the apply may already be done when the loop thread is quick
     wait_for(lambda: p.applied_count == 1 and not p.busy, timeout=60)
     assert p.message_kind == "ok", p.message
     assert engine.config.max_batch_tokens == 128 and engine.config.page_size == 32 and engine.config.num_blocks == 48
@@ -308,7 +308,7 @@ def test_headless_dashboard_runs_the_live_machinery(engine):
 def test_assets_are_esm_modules_with_shared_helpers():
     from cbnb.ui import _assets
 
-    for name in ("submit.js", "stream.js", "board.js", "kvmap.js", "plots.js", "config.js"):
+    for name in ("submit.js", "stream.js", "board.js", "kvmap.js", "plots.js", "config.js", "server.js"):
         src = _assets.esm(name)
         assert "export default" in src and "function cbnbFrame" in src
     assert ".cbnb-panel" in _assets.css()

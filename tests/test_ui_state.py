@@ -85,6 +85,13 @@ def test_request_rows_order_counts_progress_and_units():
     assert rows[2][ix["soft_resets"]] == 2 and rows[2][ix["error"]] == "too long"
 
 
+def test_request_rows_carry_the_source():
+    reqs = [out("http-1", RequestState.DECODING, 1, source="http 127.0.0.1:5000"), out("r1", RequestState.PENDING)]
+    rows, _, _ = request_rows(reqs)
+    ix = {c: i for i, c in enumerate(BOARD_COLUMNS)}
+    assert [r[ix["source"]] for r in rows] == ["http 127.0.0.1:5000", ""]
+
+
 def test_stream_items_mark_terminal_states_and_use_final_text():
     tt = TextTracker(CharTokenizer())
     reqs = [out("r0", RequestState.DECODING, 2, max_new_tokens=4), out("r1", RequestState.FINISHED, 3, text="final text"),

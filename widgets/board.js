@@ -3,7 +3,7 @@
 const BOARD_HEADERS = {
   id: "request", state: "state", output_tokens: "progress", prompt_tokens: "prompt",
   ttft_ms: "TTFT ms", queue_ms: "queue ms", prefix_cached_tokens: "cached", offloads: "offloads",
-  soft_resets: "soft resets", error: "error / warning",
+  soft_resets: "soft resets", error: "error / warning", source: "source",
 };
 // Data columns drawn inside others: max_new_tokens in the progress bar, warning in the error cell.
 const BOARD_HIDDEN = new Set(["max_new_tokens", "warning", "finish_reason"]);
@@ -12,6 +12,7 @@ const BOARD_TIPS = {
   offloads: "times swapped out to the host pool", soft_resets: "times re-queued and recomputed",
   ttft_ms: "time to first token", queue_ms: "time waiting before the first step",
   error: "why a request failed, or a warning given when it was admitted",
+  source: "who sent the request: http <client address> for the HTTP server; – for a call from Python",
 };
 
 function initialize({ model }) {
@@ -76,6 +77,9 @@ function render({ model, el }) {
             td.textContent = reason ? `⚠ ended ${reason}: ${warn}` : `⚠ ${warn}`;
             td.title = warn;
           } else td.textContent = "–";
+        } else if (c === "source") {
+          td.textContent = v || "–";
+          if (v) td.title = v;
         } else td.textContent = v === null || v === undefined ? "–" : v;
         tr.append(td);
       }

@@ -8,7 +8,8 @@ Per layer:
 
 1. "ring" prefill rows (sliding layers with a past) read their previous ``window - 1`` tokens first;
 2. every token's K/V is written into its page through the slot mapping (``k_pages[block, offset] = k``);
-3. decode rows attend over their own pages: in place when a row's keys fit one page, else in one batched call
+3. decode rows attend over their own pages: with the CPU kernel, all of them in one call reading the pages in
+   place (`cbnb.runner.cpu_kernels`); otherwise in place when a row's keys fit one page, else in one batched call
    over gathered pages (padded with the zero block, masked);
 4. prefill rows attend one by one: "fresh" over the chunk itself (causal), "paged" over their pages.
 
@@ -23,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
+from .compiled import paged_attention_op
 
 __all__ = ["ATTN_NAME", "register", "paged_attention_forward"]
 
@@ -53,6 +57,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Raises:
         NotImplementedError: for attention-logit soft-capping (no supported model uses it).
     """
+    if kwargs.get("cbnb_compiled"):  # inside cbnb's compiled forward: the opaque op (cbnb.runner.compiled)
+        if kwargs.get("softcap") is not None:
+            raise NotImplementedError("cbnb_paged attention does not support attention-logit soft-capping")
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        return paged_attention_op(query, key, value, module.layer_idx, scale), None
     batch = kwargs.get("cbnb_batch")
     if batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -67,6 +76,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_pages = batch.store.k[layer]
     v_pages = batch.store.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
+    if gb.dec_lens is not None and q.stride(-1) != 1:
+        q = q.contiguous()  # the kernel reads rows of contiguous head vectors
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     out = torch.empty_like(q)
@@ -86,13 +97,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
         v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)
 
+    if gb.dec_lens is not None:
+        cpu_kernels.paged_decode(q, k_pages, v_pages, gb.dec_rows, gb.dec_pages, gb.dec_lens, gb.dec_keys,
+                                 scaling if scaling is not None else q.shape[-1] ** -0.5, out)
+
     for row, page, valid in gb.dec_single:
         # In place: the page's first `valid` slots, viewed [1, Hkv, valid, D]; no mask needed.
         o = _sdpa(q[row:row + 1].unsqueeze(2), k_pages[page, :valid].transpose(0, 1).unsqueeze(0),
                   v_pages[page, :valid].transpose(0, 1).unsqueeze(0), None, False, scaling)
         out[row] = o[0, :, 0]
 
-    if gb.dec_rows is not None:
+    if gb.dec_rows is not None and gb.dec_lens is None:
         kd = _gather_pages(k_pages, gb.dec_pages, gb.dec_keys).transpose(1, 2)  # [Bd, Hkv, keys, D]
         vd = _gather_pages(v_pages, gb.dec_pages, gb.dec_keys).transpose(1, 2)
         qd = q.index_select(0, gb.dec_rows).unsqueeze(2)  # [Bd, H, 1, D]

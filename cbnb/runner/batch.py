@@ -5,9 +5,11 @@ All requests of a step are packed into one sequence of T query tokens (``input_i
 
 - **write slots** ``(write_block, write_offset)`` ``[T]``: where each token's K/V goes (the write-padding block
   for tokens a sliding layer does not keep);
-- **decode rows** (one query token with a past): a row whose keys fit in one page attends to that page in place
-  (no copy: a page's slots are contiguous); the others gather their pages ``[Bd, max_pages]`` (padded with the zero
-  read-padding block), masked to each row's length, in one batched attention call;
+- **decode rows** (one query token with a past): with the CPU kernel (`cbnb.runner.cpu_kernels`, float32 on CPU),
+  all of them in one call per layer from their block tables ``[Bd, max_pages]`` and key counts ``[Bd]``, reading
+  the pages in place; otherwise (the torch path) a row whose keys fit in one page attends to that page in place
+  (no copy: a page's slots are contiguous) and the others gather their pages ``[Bd, max_pages]`` (padded with the
+  zero read-padding block), masked to each row's length, in one batched attention call;
 - **prefill rows**: "fresh" (no past: attend to the chunk's own K/V, causal), "paged" (full attention with a past:
   read the request's pages after writing) or "ring" (sliding attention with a past: read the previous
   ``window - 1`` tokens *before* writing, since the chunk overwrites ring slots they occupy).
@@ -25,6 +27,7 @@ import torch
 
 from ..cache.manager import CacheManager
 from ..plan import ScheduledRequest
+from . import cpu_kernels
 
 __all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]
 
@@ -58,6 +61,7 @@ class GroupBatch:
     dec_mask: torch.Tensor | None = None  # [Bd, 1, 1, dec_keys] bool
     dec_keys: int = 0  # keys read per decode row (the longest row's valid keys)
     dec_single: list[tuple[int, int, int]] = field(default_factory=list)  # (row, page, valid keys), one page each
+    dec_lens: torch.Tensor | None = None  # kernel path: [Bd] keys per row (dec_rows, dec_pages and dec_keys set too)
     prefill: list[PrefillRow] = field(default_factory=list)
 
 
@@ -93,6 +97,7 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
                      device: torch.device) -> StepBatch:
     """Pack the scheduled requests of a step into a `StepBatch` on `device`."""
     P = cache.page_size
+    kernel = device.type == "cpu" and getattr(store, "dtype", None) == torch.float32 and cpu_kernels.available()
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
@@ -162,7 +167,18 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
             rpb = store.rows_per_block[g]
             gb.write_rows = torch.tensor([b * rpb + o for b, o in zip(w_blk[g], w_off[g])], dtype=torch.long,
                                          device=device)
-        if dec[g]:
+        if dec[g] and kernel:
+            d = dec[g]
+            width = max(len(pg) for _, pg, _ in d)
+            pages = np.full((len(d), width), alloc.read_padding_block, dtype=np.int64)
+            for r, (_, pg, _v) in enumerate(d):
+                pages[r, :len(pg)] = pg
+            lens = np.fromiter((v for _, _, v in d), dtype=np.int64, count=len(d))
+            gb.dec_rows = torch.tensor([a for a, _, _ in d], dtype=torch.long)
+            gb.dec_pages = torch.from_numpy(pages)
+            gb.dec_lens = torch.from_numpy(lens)
+            gb.dec_keys = int(lens.max())
+        elif dec[g]:
             # Rows whose keys sit in one page attend to that page in place (no copy); the others are batched
             # over gathered pages, padded to the longest of them.
             single = [(a, pg[0], v) for a, pg, v in dec[g] if len(pg) == 1]

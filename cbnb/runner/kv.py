@@ -6,12 +6,17 @@ cache dtype, so layer l (the i-th of its group) has K pages ``view[:, i, 0]`` an
 ``[num_blocks_g, page_size, num_kv_heads, head_dim]`` (strided: consecutive blocks are `bytes_per_block` apart).
 
 The buffer starts zeroed: padded attention rows read the zero block, and masked slots must hold finite values
-(a masked weight of 0 times NaN is NaN). On CPU it comes from `numpy.zeros`, which the OS backs with lazily
-zeroed pages, so resident memory grows only as blocks are used.
+(a masked weight of 0 times NaN is NaN). On CPU it is an anonymous memory map, which the OS backs with lazily
+zeroed pages, so resident memory grows only as blocks are used; it asks for transparent huge pages
+(``MADV_HUGEPAGE``, 2 MiB), because the first write to each 4 KiB page faults: on cpu-32 (about 250 MB of K/V
+written per run) the faults made the K/V writes about 7x slower than writes into touched memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,11 +31,26 @@ if TYPE_CHECKING:
 __all__ = ["KVStore"]
 
 
+_HUGE = 2 << 20
+
+
+def _host_zeros(num_bytes: int) -> torch.Tensor:
+    """Lazily zeroed host memory: an anonymous map, 2 MiB-aligned and advised to use huge pages where supported."""
+    if num_bytes <= 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.from_numpy(np.zeros(max(num_bytes, 0), dtype=np.uint8))
+    m = mmap.mmap(-1, num_bytes + _HUGE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    offset = -start % _HUGE
+    with contextlib.suppress(OSError):  # a kernel without THP: plain pages
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(m, dtype=torch.uint8, count=num_bytes, offset=offset)
+
+
 def _zeros(num_bytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
     if device.type == "cpu":
         if pin:
             return torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=True)
-        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8))
+        return _host_zeros(num_bytes)
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
 
 

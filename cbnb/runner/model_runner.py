@@ -3,7 +3,9 @@
 A step: copy offloaded blocks (device -> host), restore swapped-in blocks (host -> device), pack the batch
 (`build_step_batch`), one model forward with ``logits_to_keep`` = the rows that sample (so the LM head only sees
 those rows), then sampling. The model's attention implementation is switched to "cbnb_paged" while the runner is
-active and restored by `deactivate()`.
+active and restored by `deactivate()`. With a compile config (`default_compile_level`, `varlen_compile_config`,
+`decode_compile_config`), the forward runs under `torch.compile` (`cbnb.runner.compiled`): pure-decode steps with
+the decode config, the others with the varlen config.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..cache.manager import CacheManager
 from ..plan import StepResult, StepWork
 from .attention import ATTN_NAME, register
 from .batch import build_step_batch
+from .compiled import compiled_forward, resolve_compile_configs
 from .kv import KVStore
 from .sampling import Sampler
 
@@ -47,8 +50,6 @@ class ModelRunner:
     attention_name = ATTN_NAME
     #: Synchronous steps only (the CUDA runner sets this once configured for async batching).
     async_mode = False
-    #: Nothing to size before the first step (the CUDA runner needs `configure`).
-    configured = True
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
         register()
@@ -59,6 +60,24 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self._previous_impl: str | None = None
         self.supports_logits_to_keep = bool(getattr(model, "_supports_logits_to_keep", lambda: True)())
+        self.configured = False  # the engine calls configure() before the first step
+        self._compiled: tuple = (None, None)  # (varlen, decode) CompiledForward or None (eager)
+
+    def configure(self, config) -> None:
+        """Resolve the compile configs of `config` (a `ContinuousBatchingConfig`); None of them: eager."""
+        varlen, decode = resolve_compile_configs(config, self.model)
+        self._compiled = tuple(compiled_forward(self.model, c, _NO_MASK) if c else None for c in (varlen, decode))
+        self.configured = True
+
+    def compile_stats(self) -> dict:
+        """Per path ("varlen", "decode"): the compiled forward's stats (compiles, compile_s, calls, failed) or None
+        (eager, or the same compiled forward as the varlen path)."""
+        varlen, decode = self._compiled
+        out = {"varlen": dict(varlen.stats) if varlen is not None else None,
+               "decode": dict(decode.stats) if decode is not None else None}
+        if decode is not None and decode is varlen:
+            out["decode"] = None  # one compiled forward serves both paths: its figures are under "varlen"
+        return out
 
     def activate(self) -> None:
         """Route the model's attention through cbnb (remembering the previous implementation).
@@ -90,9 +109,6 @@ class ModelRunner:
                     self.model.set_attn_implementation(entry[1])
             self._previous_impl = None
 
-    def configure(self, config: Any) -> None:
-        """Nothing to configure on the CPU path (the CUDA runner sizes its static buffers here)."""
-
     @property
     def active(self) -> bool:
         """Whether the model's attention is routed through this runner (between `activate` and `deactivate`)."""
@@ -120,13 +136,16 @@ class ModelRunner:
             return StepResult({}, timings, copied)
         batch = build_step_batch(work.plan.scheduled, self.cache, self.store, self.device)
         t2 = time.perf_counter()
-        kwargs = {}
-        if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = batch.logits_indices
-        # A prepared (4-D) mask makes transformers skip mask creation; cbnb_paged attention ignores it.
-        out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                         attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
-        logits = out.logits[0]
+        keep = batch.logits_indices if self.supports_logits_to_keep else None
+        fwd = self._compiled[1 if all(s.num_tokens == 1 for s in work.plan.scheduled) else 0]
+        if fwd is not None:
+            logits = fwd(batch.input_ids, batch.position_ids, keep, batch)
+        else:
+            kwargs = {} if keep is None else {"logits_to_keep": keep}
+            # A prepared (4-D) mask makes transformers skip mask creation; cbnb_paged attention ignores it.
+            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                             attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
+            logits = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, batch.logits_indices)
         t3 = time.perf_counter()

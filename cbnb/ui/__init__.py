@@ -3,7 +3,7 @@
 ::
 
     from cbnb.ui import Dashboard
-    Dashboard(engine)          # Submit, Token stream, Request board, KV page map, Live plots, Config
+    Dashboard(engine)          # Submit, Token stream, Request board, KV page map, Live plots, Config, Server, Runs
 
 Each panel is also usable alone (`SubmitPanel(engine)`, `KVPageMapPanel(engine)`, ...). Names load lazily so that
 `import cbnb.ui` stays cheap.
@@ -22,6 +22,8 @@ _LAZY = {
     "KVPageMapPanel": "cbnb.ui.kvmap",
     "LivePlotsPanel": "cbnb.ui.plots",
     "ConfigPanel": "cbnb.ui.config_panel",
+    "ServerPanel": "cbnb.ui.server_panel",
+    "RunsPanel": "cbnb.ui.runs_panel",
     "Poller": "cbnb.ui.poller",
     "Panel": "cbnb.ui.base",
     "attach_headless_dashboard": "cbnb.ui.headless",

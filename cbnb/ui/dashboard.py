@@ -11,6 +11,8 @@ from .config_panel import ConfigPanel
 from .kvmap import KVPageMapPanel
 from .plots import LivePlotsPanel
 from .poller import Poller
+from .runs_panel import RunsPanel
+from .server_panel import ServerPanel
 from .stream import TokenStreamPanel
 from .submit import SubmitPanel
 
@@ -18,7 +20,7 @@ __all__ = ["Dashboard"]
 
 
 class Dashboard(widgets.VBox):
-    """The engine's dashboard: Submit, Token stream, Request board, KV page map, Live plots and Config.
+    """The engine's dashboard: Submit, Token stream, Request board, KV page map, Live plots, Config, Server and Runs.
 
     Args:
         engine: a `cbnb.Engine` (started or not; submitting starts it).
@@ -27,7 +29,7 @@ class Dashboard(widgets.VBox):
         start: start the poller now.
 
     Attributes:
-        submit, stream, board, kvmap, plots, config: the panels (each also usable alone).
+        submit, stream, board, kvmap, plots, config, server, runs: the panels (each also usable alone).
         poller: the `Poller` feeding them.
 
     Display it as the last expression of a cell. `close()` stops the poller and closes the widgets.
@@ -44,12 +46,15 @@ class Dashboard(widgets.VBox):
         self.kvmap = KVPageMapPanel(engine, always_snapshot=always_snapshot, **kw)
         self.plots = LivePlotsPanel(engine, **kw)
         self.config = ConfigPanel(engine, **kw)
+        self.server = ServerPanel(engine, **kw)
+        self.runs = RunsPanel(engine, **kw)
         for p in (self.submit, self.stream, self.kvmap, self.config):
             p.layout.width, p.layout.min_width = "50%", "360px"
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         row2 = widgets.HBox([self.kvmap, self.config], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
         self._rows = [row1, row2]
-        super().__init__([row1, self.board, self.plots, row2], layout=widgets.Layout(width="100%"))
+        super().__init__([row1, self.board, self.plots, row2, self.server, self.runs],
+                         layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
         if start:
             self.poller.start()
@@ -57,7 +62,7 @@ class Dashboard(widgets.VBox):
     @property
     def panels(self) -> list:
         # getattr: close() also runs from ipywidgets' __del__ on a Dashboard whose __init__ raised half way.
-        names = ("submit", "stream", "board", "kvmap", "plots", "config")
+        names = ("submit", "stream", "board", "kvmap", "plots", "config", "server", "runs")
         return [p for p in (getattr(self, n, None) for n in names) if p is not None]
 
     def close(self) -> None:

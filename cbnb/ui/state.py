@@ -103,7 +103,7 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
 
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
-                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason")
+                 "prefix_cached_tokens", "offloads", "soft_resets", "error", "warning", "finish_reason", "source")
 
 
 def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[list[Any]], dict[str, int], int]:
@@ -130,6 +130,7 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64) -> tuple[list[
             len(r.prompt_token_ids), None if ttft is None else round(ttft * 1000, 1),
             None if q is None else round(q * 1000, 1), int(r.prefix_cached_tokens), int(r.num_offloads),
             int(r.num_soft_resets), r.error or "", getattr(r, "warning", None) or "", r.finish_reason or "",
+            getattr(r, "source", None) or "",
         ])
     return rows, counts, hidden
 

@@ -239,3 +239,51 @@ def test_plots_draw_six_charts_from_float32_series(page, tiny_engine):
     assert "CUDA graphs 5/40 (2 failed: eager)" in page.locator(".cbnb-plots").text_content()
     (ARTIFACTS / "plots_draw_ms.json").write_text(json.dumps(cost))
     page.screenshot(path=str(ARTIFACTS / "harness-plots.png"), full_page=True)
+
+
+def test_runs_panel_table_compare_chart_and_export(page):
+    """The Runs panel's front-end: rows with spread, ticking two rows (synced `selected`), the compare table,
+    the chart's points and min-max bars, choosing another figure, and the Export button's message."""
+    from test_ui_runs import make_log  # tests/ is on sys.path
+
+    from cbnb.ui.runs_panel import RunsPanel
+
+    from fake_engine import FakeEngine
+
+    eng = FakeEngine()
+    eng.runs = make_log()
+    panel = RunsPanel(eng, autostart=False)
+    mount(page, panel)
+    page.wait_for_selector(".cbnb-runs-table tbody tr")
+    assert page.locator(".cbnb-runs-table tbody tr").count() == 4
+    first = page.locator(".cbnb-runs-table tbody tr").first
+    assert "1.10 [1.00–1.20]" in first.locator(".cbnb-fig-goodput_requests_per_s").text_content()
+    # Chart: one point and one min-max bar per (series, x).
+    assert page.locator(".cbnb-runs-chart circle.cbnb-runs-point").count() == 4  # cbnb: 16, 32, 64; hf-cb: 32
+    assert page.locator(".cbnb-runs-chart line.cbnb-runs-bar").count() == 4
+    xs = page.evaluate("() => Array.from(document.querySelectorAll('.cbnb-runs-xtick')).map(e => e.textContent)")
+    assert xs == ["16", "32", "64"]
+    # Tick rows 1 and 4: the front-end sets `selected`; Python's answer (its trait) draws the comparison.
+    rows = page.locator(".cbnb-runs-table tbody tr")
+    rows.nth(0).locator("input.cbnb-runs-check").check()
+    rows.nth(3).locator("input.cbnb-runs-check").check()
+    keys = page.evaluate("() => window.__h.data.selected")
+    assert keys == [panel.rows[0]["key"], panel.rows[3]["key"]]
+    panel.selected = keys
+    py_set(page, "export_text", panel.export_text)
+    compare = page.locator(".cbnb-runs-compare-table")
+    assert compare.count() == 1
+    good = compare.locator("tr[data-figure=goodput_requests_per_s]").text_content()
+    assert "1.10 [1.00–1.20]" in good and "0.500" in good and "−" not in good[:3]
+    assert "hf-cb" in compare.locator("th.cbnb-runs-b").text_content()
+    # Another figure for the chart.
+    page.locator("select.cbnb-runs-figure").select_option("ttft_s_p99")
+    assert page.evaluate("() => window.__h.data.chart_figure") == "ttft_s_p99"
+    # Export: the button asks Python for the chosen target.
+    page.locator("select.cbnb-runs-target").select_option("vllm")
+    page.locator(".cbnb-runs-export-btn").click()
+    assert sent(page)[-1] == {"kind": "export", "target": "vllm"}
+    panel.export("vllm")
+    py_set(page, "export_text", panel.export_text)
+    assert "--block-size 16" in page.locator(".cbnb-runs-export-text").text_content()
+    page.screenshot(path=str(ARTIFACTS / "harness-runs.png"), full_page=True)

@@ -1,0 +1,114 @@
+"""The shared shape of an export: a mapping table row, and the result (flags, command, unmapped, problems)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+__all__ = ["MappingRow", "Export", "mapping_table", "changed_fields", "NO_SERVING_EQUIVALENT"]
+
+
+@dataclass(frozen=True)
+class MappingRow:
+    """One cbnb field in a target's table.
+
+    Attributes:
+        field: the `ContinuousBatchingConfig` field.
+        target: the target's flag(s), or "" when there is no equivalent.
+        how: "same" (value passed as is), "mapped" (translated, see note), "approx" (nearest equivalent with
+            different semantics), "none" (no equivalent: reported in `Export.unmapped` when set).
+        note: what differs, in one sentence.
+    """
+
+    field: str
+    target: str
+    how: str
+    note: str = ""
+
+
+@dataclass
+class Export:
+    """The result of an export.
+
+    Attributes:
+        target: "vllm", "sglang" or "transformers-serve".
+        checked_against: the target version the mapping was checked against.
+        program: the command that takes the flags (e.g. ``vllm serve``).
+        flags: the argument list (e.g. ``["--block-size", "16"]``).
+        unmapped: (field, value, why) for fields set away from transformers' defaults with no equivalent.
+        problems: values the target cannot take (the flag is left out; nothing is rounded).
+        notes: approximations worth knowing (e.g. a memory fraction measured differently).
+    """
+
+    target: str
+    checked_against: str
+    program: str
+    model: str
+    flags: list[str] = field(default_factory=list)
+    unmapped: list[tuple[str, Any, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, flag: str, value: Any) -> None:
+        """Append ``flag value`` when `value` is not None (floats without trailing zeros: 0.9, not 0.900000)."""
+        if value is not None:
+            self.flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+
+    def report_unmapped(self, config: Any, handled: Iterable[str], mapping: Iterable[MappingRow],
+                        default: str) -> None:
+        """Add every field of `config` set away from transformers' defaults and not in `handled` to `unmapped`,
+        with its `mapping` row's note (or `default`)."""
+        handled = set(handled)
+        notes = {r.field: r.note for r in mapping}
+        for name, value in changed_fields(config).items():
+            if name not in handled:
+                self.unmapped.append((name, value, notes.get(name) or default))
+
+    @property
+    def command(self) -> str:
+        """The shell command line (arguments quoted)."""
+        return " ".join([self.program, shlex.quote(self.model), *(shlex.quote(f) for f in self.flags)])
+
+    @property
+    def ok(self) -> bool:
+        """True when no value was refused (unmapped fields are not an error)."""
+        return not self.problems
+
+    def report(self) -> str:
+        """The command plus what did not transfer, as text for a notebook cell."""
+        lines = [f"# {self.target} (mapping checked against {self.checked_against})", self.command]
+        for p in self.problems:
+            lines.append(f"# NOT EXPORTED: {p}")
+        for name, value, why in self.unmapped:
+            lines.append(f"# no equivalent: {name}={value!r}: {why}")
+        for n in self.notes:
+            lines.append(f"# note: {n}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+#: "none" rows shared by the serving engines: transformers' fields that none of them has (processor handling,
+#: tensor parallelism, deprecated options).
+NO_SERVING_EQUIVALENT: tuple[MappingRow, ...] = tuple(MappingRow(k, "", "none", v) for k, v in {
+    "drop_unsupported_processors": "", "disable_nccl_graph_mixing": "", "cpu_group_timeout": "",
+    "use_default_compile_configs": "deprecated in transformers", "max_cached_graphs": "deprecated in transformers",
+}.items())
+
+
+def mapping_table(rows: Iterable[MappingRow]) -> str:
+    """The mapping as a Markdown table (the format of docs/exports.md)."""
+    out = ["| cbnb field | target | how | note |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| `{r.field}` | {('`' + r.target + '`') if r.target else '—'} | {r.how} | {r.note} |")
+    return "\n".join(out)
+
+
+def changed_fields(config: Any) -> dict[str, Any]:
+    """Fields of `config` that differ from transformers' defaults (a fresh `ContinuousBatchingConfig`)."""
+    from ..config import ContinuousBatchingConfig
+
+    default = ContinuousBatchingConfig()
+    return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}

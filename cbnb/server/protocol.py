@@ -1,0 +1,357 @@
+"""OpenAI-compatible request schemas, their validation, and OpenAI-style error bodies.
+
+A request body is parsed once (`parse_request`) into a `GenerationRequest`: the prompt as the engine takes it (text,
+token ids or chat messages) plus the engine's `submit` arguments. Every problem becomes an `ApiError` carrying the
+HTTP status and the body OpenAI's API would send::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Schemas follow the OpenAI API reference for `POST /v1/completions` and `POST /v1/chat/completions`, plus vLLM's
+extensions `top_k`, `ignore_eos` and `min_tokens` (load generators such as GuideLLM send `ignore_eos`). Unknown
+fields are refused (400, naming the field), never ignored. Fields the engine cannot honour yet (`logprobs`,
+penalties, `logit_bias`, `min_tokens`, `n` > 1, tools, ...) are parsed and range-checked, and then either mapped to
+an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or answered with 400 "not supported yet:
+<field>" when the value would change the output; a neutral value (`frequency_penalty=0`, `n=1`, `logprobs=null`)
+is accepted.
+
+Sampling: `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM: dividing float32 logits by
+a temperature near 1e-38 overflows to inf and the sampler's probabilities become NaN); any other temperature
+samples (OpenAI's default is 1.0, so a request without `temperature` samples). `top_p=1` means no top-p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBody", "parse_json", "parse_request",
+           "ENGINE_ARGS", "error_body"]
+
+INT64 = 2**63
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
+MAX_STOP_CHARS = 256  # per stop sequence: the server searches each streamed piece for them
+
+# OpenAI field -> the `engine.submit` keyword that implements it (used when the engine's signature has it; the
+# issue "generation parity" adds these to the engine).
+ENGINE_ARGS = {
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "logit_bias": "logit_bias",
+    "min_tokens": "min_new_tokens",
+    "stop": "stop",
+}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON.
+
+    Args:
+        status: HTTP status (400 invalid field, 401, 404 unknown model or route, 413, 429, 500, 503).
+        message: what went wrong, naming the field and the allowed range where there is one.
+        type: OpenAI's error type ("invalid_request_error", "authentication_error", "rate_limit_error",
+            "server_error").
+        param: the offending field (dotted path, e.g. "messages[0].content"), or None.
+        code: a machine-readable code (e.g. "invalid_api_key", "model_not_found", "context_length_exceeded").
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The JSON body of an OpenAI error response."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, detail: str = "") -> ApiError:
+    return ApiError(400, f"not supported yet: {param}{detail}", param=param, code="unsupported_parameter")
+
+
+# ----------------------------------------------------------------------------------------------------- schemas
+class _Body(BaseModel):
+    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not silently ignored.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = None
+    stream_options: "StreamOptions | None" = None
+    stop: Any = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str] | None:
+        if v is None:
+            return None
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences; got {len(v)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"keys must be token ids (digit strings); got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"bias of token {k} must be in [-100, 100]; got {b}")
+        return v
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (GuideLLM asks for it)
+
+
+class CompletionBody(_Body):
+    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a one-element list of either."""
+
+    prompt: Any
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(i, (str, list)) for i in v):
+            raise ValueError("several prompts in one request are not supported yet: send one request per prompt")
+        raise ValueError("must be a non-empty string or a non-empty list of token ids")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):  # content parts: only text parts are supported
+            texts = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: only {{'type': 'text', 'text': ...}} parts are supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("must be a string or a list of text parts")
+
+
+class ChatCompletionBody(_Body):
+    """`POST /v1/chat/completions`: the tokenizer's chat template turns `messages` into the prompt."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+_Body.model_rebuild()
+CompletionBody.model_rebuild()
+ChatCompletionBody.model_rebuild()
+
+
+# ----------------------------------------------------------------------------------------------------- parsing
+@dataclasses.dataclass
+class GenerationRequest:
+    """A validated request, ready for the engine.
+
+    Attributes:
+        kind: "completion" or "chat".
+        prompt: text, token ids (completions) or chat messages (list of {"role", "content"} dicts).
+        max_tokens: tokens to generate at most, or None (chat without a limit: up to the model's context).
+        submit_kwargs: `engine.submit` keyword arguments (sampling, seed, ignore_eos, mapped extensions).
+        stop: stop strings the server itself must find in the text (None when the engine handles `stop`).
+        stream, include_usage: streaming flags; continuous_usage: usage so far in every chunk (with include_usage).
+        model: the model name asked for (None: the served one).
+        user: the OpenAI `user` field, if any (shown as part of the request's source).
+    """
+
+    kind: str
+    prompt: Any
+    max_tokens: int | None
+    submit_kwargs: dict[str, Any]
+    stop: list[str] | None
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    model: str | None
+    user: str | None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body.
+
+    Raises:
+        ApiError: 400 when the body is not UTF-8 JSON or not an object.
+    """
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise invalid("body", "request body nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid("body", f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise invalid("body", f"request body must be a JSON object; got {type(obj).__name__}")
+    return obj
+
+
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    err = e.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    param = _param(loc) or "body"
+    if err["type"] == "extra_forbidden":
+        return invalid(param, f"Unrecognized request argument supplied: {param}", "unknown_parameter")
+    if err["type"] == "missing":
+        return invalid(param, f"Missing required parameter: {param}", "missing_parameter")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return invalid(param, f"Invalid value for {param}: {msg}; got {_short(err.get('input'))}")
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -> GenerationRequest:
+    """Validate a completions ("completion") or chat ("chat") body and map it to engine arguments.
+
+    Args:
+        kind: "completion" or "chat".
+        obj: the parsed JSON object.
+        engine_args: the keyword names `engine.submit` takes (what the engine supports).
+
+    Raises:
+        ApiError: 400 naming the first invalid, unknown or unsupported field.
+    """
+    schema = CompletionBody if kind == "completion" else ChatCompletionBody
+    try:
+        body = schema.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    _refuse_unsupported(body, engine_args)
+    kw: dict[str, Any] = {}
+    t = 1.0 if body.temperature is None else body.temperature
+    if t >= GREEDY_BELOW:
+        kw.update(do_sample=True, temperature=t)
+        if body.top_p is not None and body.top_p < 1:
+            kw["top_p"] = body.top_p
+        if body.top_k is not None and body.top_k > 0:
+            kw["top_k"] = body.top_k
+    if body.seed is not None:
+        kw["seed"] = body.seed
+    if body.ignore_eos:
+        kw["ignore_eos"] = True
+    for field, arg in ENGINE_ARGS.items():
+        value = getattr(body, field, None)
+        if field != "stop" and arg in engine_args and value not in (None, 0, {}):
+            kw[arg] = {int(k): v for k, v in value.items()} if field == "logit_bias" else value
+    stop = body.stop
+    if stop and "stop" in engine_args:
+        kw["stop"] = stop
+        stop = None
+    if kind == "completion":
+        prompt: Any = body.prompt
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
+    else:
+        prompt = [{"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
+                  for m in body.messages]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    opts = body.stream_options
+    if opts is not None and not body.stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    return GenerationRequest(kind=kind, prompt=prompt, max_tokens=max_tokens, submit_kwargs=kw, stop=stop,
+                             stream=bool(body.stream), include_usage=bool(opts and opts.include_usage),
+                             continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+                             model=body.model, user=body.user)
+
+
+def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
+    """400 "not supported yet" for every field whose value would change the output and that nothing implements."""
+    if body.n not in (None, 1):
+        raise unsupported("n", f" = {body.n} (only n=1)")
+    for field in ("presence_penalty", "frequency_penalty", "min_tokens"):
+        if getattr(body, field) not in (None, 0) and ENGINE_ARGS[field] not in engine_args:
+            raise unsupported(field)
+    if body.logit_bias and "logit_bias" not in engine_args:
+        raise unsupported("logit_bias")
+    if isinstance(body, CompletionBody):
+        if body.logprobs not in (None, 0):
+            raise unsupported("logprobs")
+        if body.echo:
+            raise unsupported("echo")
+        if body.suffix:
+            raise unsupported("suffix")
+        if body.best_of not in (None, 1):
+            raise unsupported("best_of", " (only best_of=1)")
+    else:
+        assert isinstance(body, ChatCompletionBody)
+        if body.logprobs or body.top_logprobs:
+            raise unsupported("logprobs" if body.logprobs else "top_logprobs")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", " (only {'type': 'text'})")
+        if body.tools:
+            raise unsupported("tools")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice")
