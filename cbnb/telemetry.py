@@ -85,8 +85,10 @@ class Recorder:
             self.events.extend(batch)
 
     def reset_run(self) -> None:
-        """Start a new run for `run` (the cumulative figures keep counting)."""
+        """Start a new run for `run` (the cumulative figures keep counting). The run's KV samples start with its own
+        first step (so two runs of one workload sample at the same offsets, e.g. a simulation's repeats)."""
         self.run = RunStats()
+        self._kv_sample_t = float("-inf")
 
     def _step_id(self) -> int:
         return self.core.step_id if self.core is not None else 0

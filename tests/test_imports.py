@@ -12,7 +12,8 @@ CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", 
         "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
-       "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale"]
+       "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
+       "cbnb.sim.heatmap"]
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -28,8 +29,8 @@ def test_core_modules_do_not_import_torch():
 
 
 def test_sim_imports_and_simulates_without_torch():
-    # torch and transformers made unimportable: the simulator must still load its data files and run a step.
-    code = ("import sys\nfor m in ('torch', 'transformers'): sys.modules[m] = None\n"
+    # torch, transformers and plotly made unimportable: the simulator must still load its data files and run a step.
+    code = ("import sys\nfor m in ('torch', 'transformers', 'plotly'): sys.modules[m] = None\n"
             + "\n".join(f"import {m}" for m in SIM)
             + "\nfrom cbnb.sim import SimEngine\ne = SimEngine('qwen3-0.6b', 'h100-sxm')\n"
             "e.submit(list(range(100, 164)), 4)\nassert e.run()['run']['output_tokens'] == 4")

@@ -43,8 +43,10 @@ from ..core import EngineCore
 from ..handle import HandleTable, RequestHandle, check_timeout
 from ..prompts import prompt_ids, sampling_params, split_batch
 from ..requests import Request, RequestOutput, RequestState
+from ..runs import RunLog
 from ..telemetry import Recorder
 from ._gc import relaxed_gc
+from .clock import SimClock
 from .cost import CostModel
 from .loop import SIM_TOKEN, SimStep, SimulationStuck, VirtualLoop
 from .playback import Playback, check_speed
@@ -106,10 +108,18 @@ class SimEngine:
         async_batching: override the resolved `use_async_batching` (None: keep it).
         telemetry: record typed events in `events` (as `cbnb.Engine`).
         event_log_size: events retained.
+        runs: the run log to keep (as `cbnb.Engine`'s): a `cbnb.runs.RunLog` (e.g. shared with a real engine, to
+            compare predicted and measured runs in one table), or a JSON-lines file path; None: a new log.
 
     Attributes (as `cbnb.Engine`'s): config, user_config, layout, memory, cache, core, events, device, vocab_size,
-    max_positions, weight_bytes, tokenizer (None: prompts are token ids); and `now` (the virtual clock, seconds),
-    `steps` (`SimStep` per executed step).
+    max_positions, weight_bytes, model_id (the shape's Hugging Face id, for exports), tokenizer (None: prompts
+    are token ids), runs (the run log: every
+    `cbnb.tuning.run_workload` and every `reconfigure`); and `now` (the virtual clock, seconds), `present` (the
+    caller's instant on it), `steps` (`SimStep` per executed step), `driver_clock` (a `SimClock`).
+
+    The tuning lab's engine protocol (`cbnb.driver`, `cbnb.tuning`): ``engine_name`` ("sim-<profile>", how the run
+    log names its runs), ``records_reconfigures`` (True), ``driver_clock`` (virtual time, so `run_workload` and
+    `sweep` drive the simulation from the caller's thread), ``runs``, ``reset_stats``, ``stats``, ``generate``.
 
     Raises:
         ValueError: an unknown shape or profile (named), or a bad config value.
@@ -118,10 +128,11 @@ class SimEngine:
 
     tokenizer = None
     default_eos: frozenset[int] = frozenset()
+    records_reconfigures = True
 
     def __init__(self, shape: Any, profile: Any, config: ContinuousBatchingConfig | None = None, *,
                  dtype: Any = None, async_batching: bool | None = None, telemetry: bool = True,
-                 event_log_size: int = 100_000) -> None:
+                 event_log_size: int = 100_000, runs: Any = None) -> None:
         self.shape: ModelShape = load_shape(shape, dtype=dtype)
         self.profile: HardwareProfile = load_profile(profile)
         if config is not None and not isinstance(config, ContinuousBatchingConfig):
@@ -145,7 +156,12 @@ class SimEngine:
         self._state = "created"
         self.error: BaseException | None = None
         self.wall_s = 0.0  # host seconds spent in run()/run_until()
+        self._present = 0.0  # the caller's instant: run_until(t) leaves it at t while a step started before t runs on
+        self.engine_name = f"sim-{self.profile.name}"
+        self.model_id = self.shape.hf_id or self.shape.name  # what exports name as the model to serve
+        self.driver_clock = SimClock(self)
         self._install(config or ContinuousBatchingConfig())
+        self.runs = runs if isinstance(runs, RunLog) else RunLog(base=self.user_config, path=runs)
 
     def _clock(self) -> float:
         return self._loop.now
@@ -204,6 +220,7 @@ class SimEngine:
             raise TimeoutError("reconfigure did not complete")
         try:
             self._loop.finish_inflight()
+            self._present = max(self._present, self._loop.now)
             old = self.user_config
             carry = self.core.take_unfinished()
             try:
@@ -213,12 +230,19 @@ class SimEngine:
                 raise
         finally:
             self._lock.release()
+        self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
         return self.config
 
     cache = property(lambda self: self._loop.cache, doc="The `CacheManager` (block bookkeeping).")
     core = property(lambda self: self._loop.core, doc="The `EngineCore` (requests, scheduler, offload policy).")
     events = property(lambda self: self.recorder.events, doc="The `EventLog` of typed telemetry events.")
     now = property(lambda self: self._loop.now, doc="The virtual clock (simulated seconds).")
+
+    @property
+    def present(self) -> float:
+        """The caller's instant (simulated seconds): where `run_until(t)` left it (``t``, while the step that started
+        before ``t`` may end after it), else the clock. A submission without `arrival_s` arrives then."""
+        return self._playback.paced_now() if self._playback is not None else self._present
     steps = property(lambda self: self._loop.steps, doc="Every executed step, in order.")
 
     # ------------------------------------------------------------------------------------------ requests
@@ -273,7 +297,7 @@ class SimEngine:
         return handle
 
     def _arrival(self, arrival_s: float | None) -> float:
-        now = self._playback.paced_now() if self._playback is not None else self._loop.now
+        now = self._playback.paced_now() if self._playback is not None else self._present
         if arrival_s is None:
             return now
         if isinstance(arrival_s, bool) or not isinstance(arrival_s, (int, float)) or not (
@@ -361,6 +385,7 @@ class SimEngine:
             raise
         finally:
             self.wall_s += time.perf_counter() - w0
+            self._present = max(self._present, self._loop.now if horizon is None else horizon)
 
     def _turns(self, until: Callable[[], bool], horizon: float | None, max_steps: int | None) -> None:
         loop = self._loop
@@ -396,6 +421,7 @@ class SimEngine:
         self._drive(lambda: not loop.busy, max_steps=max_steps)
         with self._lock:
             loop.finish_inflight()
+            self._present = max(self._present, loop.now)
         return self.stats()
 
     def run_until(self, t: float) -> dict[str, Any]:
@@ -461,6 +487,7 @@ class SimEngine:
         pb.stop(timeout)
         with self._lock:
             self._playback = None
+            self._present = max(self._present, self._loop.now)
             if self._state == "running":
                 self._state = "stopped"
 

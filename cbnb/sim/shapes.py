@@ -84,6 +84,7 @@ class ModelShape:
         qk_norm: per-head q/k RMSNorm (Qwen3, Gemma 3).
         norms_per_layer: RMSNorm vectors of `hidden_size` per decoder layer.
         source: where the facts come from (a URL or a path).
+        hf_id: the Hugging Face model id (bundled shapes; "" when unknown), e.g. for `cbnb.export` commands.
     """
 
     name: str
@@ -106,6 +107,7 @@ class ModelShape:
     qk_norm: bool = False
     norms_per_layer: int = 2
     source: str = ""
+    hf_id: str = ""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -124,7 +126,7 @@ class ModelShape:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, *, source: str = "",
-                    dtype: Any = None) -> "ModelShape":
+                    dtype: Any = None, hf_id: str = "") -> "ModelShape":
         """A shape from a transformers config (object or dict; a multimodal config's `text_config` is used).
 
         Args:
@@ -178,6 +180,7 @@ class ModelShape:
             qk_norm=model_type in _QK_NORM,
             norms_per_layer=4 if model_type in _FOUR_NORMS else 2,
             source=source,
+            hf_id=hf_id,
         )
 
     def with_dtype(self, dtype: Any) -> "ModelShape":
@@ -318,7 +321,7 @@ def load_shape(source: Any, *, dtype: Any = None) -> ModelShape:
     if isinstance(source, Mapping):
         if "config" in source and isinstance(source["config"], Mapping):  # a shape file's content
             return ModelShape.from_config(source["config"], source.get("name"), source=source.get("source", ""),
-                                          dtype=dtype)
+                                          dtype=dtype, hf_id=source.get("hf_id", ""))
         return ModelShape.from_config(source, dtype=dtype)
     if isinstance(source, (str, os.PathLike)):
         text = str(source)
