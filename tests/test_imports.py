@@ -13,7 +13,7 @@ CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", 
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
        "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
-       "cbnb.sim.heatmap"]
+       "cbnb.sim.heatmap", "cbnb.sim.compare"]
 
 
 def _loaded_after(code: str) -> set[str]:

@@ -113,3 +113,15 @@ def test_calibrate_without_torch_uses_numpy(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert "numpy" in out.stdout and "estimated" in out.stdout
     _valid_measured(load_profile(str(tmp_path / "cpu.json")))
+
+
+def test_profile_for_device_maps_cuda_names_to_bundled_profiles():
+    from cbnb.sim.profiles import PROFILE_NAMES, profile_for_device
+
+    assert profile_for_device("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert profile_for_device("NVIDIA H200") == "h200"
+    assert profile_for_device("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert profile_for_device("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    assert profile_for_device("NVIDIA L4") == "l4"
+    assert profile_for_device("NVIDIA L40S") is None and profile_for_device("Tesla T4") is None
+    assert {p for p in ("h100-sxm", "h200", "a100-80gb", "rtx-4090", "l4")} <= set(PROFILE_NAMES)

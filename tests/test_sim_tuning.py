@@ -174,3 +174,28 @@ def test_workload_of_text_prompts_is_refused_by_the_sim_per_request():
     assert [r.state for r in run.records] == ["FAILED", "FINISHED"]
     assert "submit refused" in run.records[0].error
 
+
+
+def test_compare_runs_and_figure_predicted_against_measured():
+    from cbnb.sim.compare import compare_figure, compare_runs
+
+    wl = poisson(12)
+    a = run_workload(small_sim(), wl, log=False)
+    slow = small_sim()
+    slow.reconfigure(ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=16))  # other plans
+    b = run_workload(slow, wl, log=False)
+    rows = {r["figure"]: r for r in compare_runs(a, b)}
+    r = rows["ttft_s_p50"]
+    assert r["predicted"] == a.metrics["ttft_s_p50"] and r["measured"] == b.metrics["ttft_s_p50"]
+    assert r["error"] == pytest.approx((r["predicted"] - r["measured"]) / r["measured"])
+    assert rows["duration_s"]["label"] and "output_tokens_per_s" in rows
+    with pytest.raises(ValueError, match="same workload"):
+        compare_runs(a, run_workload(small_sim(), poisson(5), log=False))
+    pytest.importorskip("plotly")
+    fig = compare_figure(a, b)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [t.name for t in bars] == ["predicted (simulator)", "measured (engine)"]
+    assert bars[0].y[0] == pytest.approx(1000 * a.metrics["ttft_s_p50"])
+    dots = next(t for t in fig.data if t.name == "requests")
+    assert len(dots.x) == 12 and dots.x[0] == pytest.approx(b.records[0].e2e_s)
+    assert dots.y[0] == pytest.approx(a.records[0].e2e_s)

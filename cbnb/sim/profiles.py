@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from .shapes import normalize_dtype
 
-__all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_dir"]
+__all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_dir", "profile_for_device"]
 
 _DATA = pathlib.Path(__file__).resolve().parent / "data" / "profiles"
 PROFILE_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in _DATA.glob("*.json"))) + ("cpu",)
@@ -293,3 +293,22 @@ def load_profile(source: Any) -> HardwareProfile:
     except ValueError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     return HardwareProfile.from_dict(data)
+
+
+# Substrings of torch.cuda.get_device_name() -> the bundled profile of that part (first match wins).
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("4090", "rtx-4090"),
+                 ("L40", None), ("L4", "l4"))
+
+
+def profile_for_device(device_name: str) -> str | None:
+    """The bundled profile for a CUDA device name (``torch.cuda.get_device_name()``), or None when none matches.
+
+    E.g. "NVIDIA H100 80GB HBM3" -> "h100-sxm", "NVIDIA H200" -> "h200", "NVIDIA L4" -> "l4"; an L40 or an
+    unknown part -> None (make a profile for it: `HardwareProfile`, or calibrate on it). An H100 PCIe also maps
+    to the SXM profile, whose datasheet figures are higher: check `load_profile("h100-sxm")` against your part.
+    """
+    name = str(device_name).upper()
+    for key, profile in _DEVICE_NAMES:
+        if key in name:
+            return profile
+    return None

@@ -1,38 +1,40 @@
 """``python -m cbnb.sim.scale``: how long this machine takes to simulate production traffic (the issue's scale target).
 
 Default: 10,000 requests arriving as a Poisson process (exponential gaps, ``--rate`` requests per simulated second)
-on llama-3.1-8b / h100-sxm with transformers' default config resolved for the GPU; prompt and output lengths are
-lognormal (medians 400 and 150 tokens, sigma 0.8, clipped to [16, 4096] and [8, 1024]), random ids, EOS ignored.
+on llama-3.1-8b / h100-sxm with transformers' default config resolved for the GPU: `production_poisson`, the
+tuning lab's generators (`cbnb.traffic`: Poisson arrivals; lognormal prompt and output lengths with means 550 and
+200 tokens, sigma 0.8, clipped to [16, 4096] and [8, 1024]), random ids, EOS ignored.
 It prints the host seconds of the whole simulation, the scheduler's share of them (`EngineCore.schedule`), and the
 simulated figures (span, output tok/s, TTFT/TPOT p50/p99). Target: <= 60 s for 10,000 requests.
-
-The traffic here is a stand-in until the tuning lab's generators (`cbnb.traffic`, issue 12) land.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import random
 import sys
 import time
 from typing import Any
 
-__all__ = ["poisson_requests", "simulate", "main"]
+__all__ = ["production_poisson", "poisson_requests", "simulate", "main"]
+
+
+def production_poisson(n: int = 10_000, rate: float = 20.0, *, vocab: int = 128256, seed: int = 0,
+                       model: str = "shape:llama-3.1-8b") -> Any:
+    """A `cbnb.workloads.Workload` of `n` random-id requests: Poisson arrivals at `rate` per second, lognormal
+    prompt (mean 550, sigma 0.8, [16, 4096]) and output (mean 200, sigma 0.8, [8, 1024]) lengths; seeded."""
+    from .. import traffic as tr
+    from ..workloads import synthetic
+
+    return synthetic("production-poisson", n, tr.Poisson(rate), tr.LogNormal(550, 0.8, 16, 4096),
+                     tr.LogNormal(200, 0.8, 8, 1024), model=model, vocab_size=vocab, seed=seed,
+                     description=f"{n} requests, Poisson {rate:g}/s, lognormal lengths (means 550 in, 200 out)")
 
 
 def poisson_requests(n: int, rate: float, *, vocab: int, seed: int = 0) -> list[tuple[float, list[int], int]]:
-    """`n` requests as (arrival_s, prompt ids, max_new_tokens), arrivals a Poisson process of `rate` per second."""
-    rng = random.Random(f"scale:{seed}")
-    t = 0.0
-    out = []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        p = min(4096, max(16, int(rng.lognormvariate(math.log(400), 0.8))))
-        g = min(1024, max(8, int(rng.lognormvariate(math.log(150), 0.8))))
-        out.append((t, [rng.randrange(32, vocab) for _ in range(p)], g))
-    return out
+    """`production_poisson`'s requests as (arrival_s, prompt ids, max_new_tokens)."""
+    wl = production_poisson(n, rate, vocab=vocab, seed=seed)
+    return list(zip(wl.arrival_s, wl.prompts, wl.max_new_tokens))
 
 
 def simulate(n: int = 10_000, rate: float = 20.0, *, shape: str = "llama-3.1-8b", profile: str = "h100-sxm",
