@@ -264,6 +264,10 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     return result
 
 
+def _eps(a: float, b: float) -> float:
+    return 1e-9 * max(abs(a), abs(b))
+
+
 def _simulated(run: Run) -> bool:
     """A run of `cbnb.sim.SimEngine` (its ``engine_name`` is "sim-<profile>")."""
     return str(run.engine).startswith("sim-")
@@ -345,7 +349,8 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     ranking = [r[:5] for r in have]
     top = have[0]
     label = FIGURE_LABELS.get(figure, figure)
-    tied = [r for r in have[1:] if r[2] <= top[3] and top[2] <= r[3]]
+    # ranges overlap; values equal to float rounding count as equal (a simulation's repeats differ by ~1e-15)
+    tied = [r for r in have[1:] if r[2] <= top[3] + _eps(r[2], top[3]) and top[2] <= r[3] + _eps(top[2], r[3])]
     ns = sorted({r[4] for r in have})
     runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
     if tied:

@@ -199,3 +199,32 @@ def test_compare_runs_and_figure_predicted_against_measured():
     dots = next(t for t in fig.data if t.name == "requests")
     assert len(dots.x) == 12 and dots.x[0] == pytest.approx(b.records[0].e2e_s)
     assert dots.y[0] == pytest.approx(a.records[0].e2e_s)
+
+
+def test_best_calls_points_with_equal_simulated_figures_a_tie():
+    # page_size does not change the plans of a workload that never fills the cache: equal figures (up to float
+    # rounding, the runs start at other clock readings), so no winner
+    sim = small_sim()
+    sim.reconfigure(ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=64))
+    res = sweep(sim, poisson(6, rate=2.0), {"num_blocks": [256, 512]}, repeats=1, progress=False)
+    a, b = (r.metrics["goodput_requests_per_s"] for r in res.runs)
+    assert a == pytest.approx(b, rel=1e-12)
+    v = best(res, "goodput_requests_per_s")
+    assert v.tie and v.winner is None and v.tied_with
+
+
+def test_an_unsorted_trace_is_driven_in_arrival_order_and_direct_out_of_order_submits_are_refused(tmp_path):
+    from cbnb.workloads import from_trace
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_s": 0.5, "prompt_tokens": 16, "output_tokens": 2}\n'
+                    '{"arrival_s": 0.1, "prompt_tokens": 24, "output_tokens": 3}\n')
+    wl = from_trace(path, vocab_size=1000)
+    sim = small_sim()
+    run = run_workload(sim, wl)  # trace rows need not be sorted: the driver submits in arrival order
+    assert [r.state for r in run.records] == ["FINISHED", "FINISHED"]
+    assert [r.submitted_s for r in run.records] == pytest.approx([0.5, 0.1])
+    direct = small_sim()
+    direct.submit(wl.prompts[0], 2, arrival_s=0.5)
+    with pytest.raises(ValueError, match=r"arrival_s=0\.1 is before the previous request's arrival_s=0\.5"):
+        direct.submit(wl.prompts[1], 3, arrival_s=0.1)
