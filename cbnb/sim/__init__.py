@@ -8,6 +8,10 @@
   read API, events and statistics (so `cbnb.ui.Dashboard(sim)` works); caller-driven (`run`, `run_until`) or on a
   playback thread (`start(speed=...)`).
 
+- the tuning lab (`cbnb.tuning`: run_workload, sweep, best; the Runs panel) takes a `SimEngine` (its virtual
+  `driver_clock`, `cbnb.sim.clock`); `cbnb.sim.heatmap` plots a sweep's figure over two config fields and
+  `cbnb.sim.compare` a simulated run against a measured one (plotly only when a figure is drawn).
+
 `calibrate()` measures this machine (it uses torch when installed); everything else imports without torch.
 """
 

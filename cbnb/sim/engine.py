@@ -21,8 +21,10 @@ Three ways to run it:
 - `start(speed=x)`: on its own thread at x times simulated time, so `cbnb.ui.Dashboard(sim)` animates.
 
 Arrival times: ``submit(..., arrival_s=t)`` queues a request that reaches the engine at simulated second ``t``;
-arrival times must not decrease from one submission to the next, and never lie before the clock (a `ValueError`
-naming ``arrival_s``). Without `arrival_s` a request arrives now.
+arrival times must not decrease from one submission to the next, and never lie before the caller's present
+(`present`: where `run_until(t)` left the caller, ``t``, even while a step that started before ``t`` runs on; a
+`ValueError` naming ``arrival_s``). Without `arrival_s` a request arrives at the present (submitted during a step, it
+waits for that step, as on the real engine). The tuning lab drives it through `driver_clock` (`cbnb.sim.clock`).
 """
 
 from __future__ import annotations
@@ -265,7 +267,7 @@ class SimEngine:
                 `Engine.submit` does; they do not change the simulation.
             request_id: a unique id (default "sim-N").
             arrival_s: when the request reaches the engine (simulated seconds, >= the previous submission's arrival
-                and >= the clock); None: now.
+                and >= `present`); None: at `present`.
 
         Raises:
             TypeError / ValueError: as `Engine.submit` (the message names the field); `arrival_s` out of order,
