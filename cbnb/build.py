@@ -1,9 +1,9 @@
 """`EngineBuilder`: sizes and builds an engine's parts for one model and device (cache manager, KV store, runner,
 core), for `Engine.__init__` and for every `Engine.reconfigure`.
 
-Sizing follows `cbnb.cache.sizing.plan_cache` on the memory free *now* (CUDA: `torch.cuda.mem_get_info`; CPU:
-`psutil` available RAM), so a rebuild frees the old pool before it measures (`Engine.reconfigure`). The runner is
-the one `cbnb.runner.factory.make_runner` picks for the device.
+Sizing is `cbnb.cache.sizing.plan_memory` (the one sizing path, shared with the simulator) on the memory free
+*now* (CUDA: `torch.cuda.mem_get_info`; CPU: `psutil` available RAM), so a rebuild frees the old pool before it
+measures (`Engine.reconfigure`). The runner is the one `cbnb.runner.factory.make_runner` picks for the device.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from .cache.layout import KVLayout, layout_for, model_kv_spec
 from .cache.manager import CacheManager
-from .cache.sizing import MemoryPlan, plan_cache, swap_sectors
+from .cache.sizing import MemoryPlan, plan_memory
 from .config import ContinuousBatchingConfig
 from .core import EngineCore
 from .requests import Request
@@ -39,6 +39,12 @@ class EngineParts:
     store: KVStore
     runner: ModelRunner
     core: EngineCore
+
+
+def _host_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def free_memory(device: torch.device) -> int:
@@ -85,20 +91,9 @@ class EngineBuilder:
         Raises:
             MemoryError: when the cache cannot be sized in the available memory.
         """
-        r = config.resolve(self.device.type)
-        layout = layout_for(self.spec, self.itemsize, r.page_size)
-        graphs = r.cuda_graph_booleans if self.device.type == "cuda" else (False, False)  # the CUDA runner's
-        mp = plan_cache(layout, self.spec, max_batch_tokens=r.max_batch_tokens,
-                        max_requests_per_batch=r.max_requests_per_batch, max_memory_percent=r.max_memory_percent,
-                        free_bytes=free_memory(self.device), weight_bytes=self.weight_bytes, num_blocks=r.num_blocks,
-                        cuda_graphs=graphs, io_pairs=2 if r.use_async_batching and any(graphs) else 1)
-        swap = 0
-        if r.cpu_offload_space is None or r.cpu_offload_space > 0:
-            import psutil
-
-            swap = swap_sectors(layout, r.cpu_offload_space, r.cpu_offload_space_safety_threshold,
-                                int(psutil.virtual_memory().available))
-        r.num_blocks = mp.num_blocks  # r is this call's own resolved copy
+        r, _, mp, swap = plan_memory(config, self.spec, self.itemsize, device_type=self.device.type,
+                                     free_bytes=free_memory(self.device), weight_bytes=self.weight_bytes,
+                                     host_available_bytes=_host_available)
         return r, mp, swap
 
     def build(self, config: ContinuousBatchingConfig, *, sink: Callable[..., None] | None = None,

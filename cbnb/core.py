@@ -46,13 +46,18 @@ class EngineCore:
         config: a resolved `ContinuousBatchingConfig`.
         cache: the `CacheManager`.
         on_terminal: optional callback(request) when a request reaches FINISHED, FAILED or CANCELLED.
+        clock: time source (seconds) for the requests' state changes and token times; default
+            `time.perf_counter` (the engine's wall clock); the simulator passes its virtual clock.
     """
 
     def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager,
-                 on_terminal: Callable[[Request], None] | None = None) -> None:
+                 on_terminal: Callable[[Request], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.cache = cache
+        self.clock = clock or time.perf_counter
         self.scheduler = make_scheduler(config, cache)
+        self.scheduler.clock = self.clock
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.on_terminal = on_terminal
@@ -142,7 +147,7 @@ class EngineCore:
 
     def _end(self, req: Request, state: RequestState) -> None:
         req.pending_samples = 0
-        req.transition(state)
+        req.transition(state, self.clock())
         self.cache.release(req)
         self.cache.forget(req)
         self.scheduler.remove(req.request_id)
@@ -214,7 +219,7 @@ class EngineCore:
             req.num_computed = 0
             req.num_soft_resets += 1
         self.offload_counts[d.path] += 1
-        req.transition(RequestState.PENDING)
+        req.transition(RequestState.PENDING, self.clock())
         self.scheduler.add_waiting(req)
         work.offloads.append(d)
 
@@ -222,7 +227,7 @@ class EngineCore:
               invalid: Mapping[str, str] | None = None, now: float | None = None) -> list[Request]:
         """Apply a step's sampled tokens (request_id -> token id, for the requests that sampled).
 
-        `now` time-stamps the tokens (default: `time.perf_counter()`; a simulator passes its virtual time).
+        `now` time-stamps the tokens (default: the core's `clock`, the simulator's virtual time in a simulation).
 
         Registers completed blocks in the prefix index (also those of a request's final step), appends tokens (with
         their `TokenLogprob` from `logprobs`), finishes requests on EOS / a stop string / max_new_tokens and frees
@@ -234,6 +239,7 @@ class EngineCore:
         updated = []
         register = self.cache.register_completed
         lps = logprobs or {}
+        now = self.clock() if now is None else now
         for s in work.plan.scheduled:
             req = s.request
             if req.state >= _FINISHED:

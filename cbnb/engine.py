@@ -450,7 +450,8 @@ class Engine(StepMode):
         """Figures for this run (since `reset_stats()`) and cumulative, plus the memory split (bytes).
 
         Returns:
-            {"run": RunStats.summary(), "cumulative": ..., "memory_bytes": memory_split()}. Names carry units.
+            {"run": RunStats.summary(), "cumulative": ..., "memory_bytes": memory_split(), "clock_s": the engine's
+            clock (perf_counter seconds) at the read}. Names carry units.
         """
         with self._loop.lock:
             out = self._loop.recorder.summary()

@@ -17,7 +17,7 @@ import json
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterable, TextIO
+from typing import Any, Callable, ClassVar, Iterable, Iterator, TextIO
 
 __all__ = [
     "Event", "StepPlanned", "BlocksAllocated", "BlocksFreed", "BlocksShared", "BlocksDemoted", "BlocksDeduplicated",
@@ -45,7 +45,9 @@ class StepPlanned(Event):
     """The scheduler's plan for a step.
 
     `taken`: (request_id, phase "prefill"|"decode", query tokens, start position, prefix-hit tokens) per request.
-    `skipped`: (reason, request_ids, detail numbers) per reason (see `cbnb.scheduler.SkipReason`).
+    `skipped`: (reason, request_ids, detail numbers) per reason (see `cbnb.scheduler.SkipReason`); `request_ids`
+    is a list, or a `cbnb.plan.QueueTail` (the rest of the waiting queue in compact form: it iterates, counts and
+    compares like the list; `to_dict()` writes a list). `skipped_requests()` yields every (request_id, reason).
     `stalled`: (request_id, blocks needed per group, blocks obtainable per group).
     Budgets: tokens (`max_batch_tokens`), cache (tokens readable), request cap, and their use this step.
     """
@@ -65,6 +67,17 @@ class StepPlanned(Event):
     requests_used: int = 0
     free_fraction: float = 1.0
     safety_margin: float = 0.0
+
+    def skipped_requests(self) -> Iterator[tuple[str, str]]:
+        """Every request not taken this step with its reason, as (request_id, reason), entry by entry."""
+        for reason, ids, _detail in self.skipped:
+            for rid in ids:
+                yield rid, reason
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["skipped"] = [(r, list(ids), dict(detail)) for r, ids, detail in self.skipped]
+        return d
 
 
 @dataclass

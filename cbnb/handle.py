@@ -180,8 +180,12 @@ class RequestHandle:
         ids, state, lps = item
         return TokenDelta(self.request_id, ids, self._stream.push(ids), state, False, None, lps)
 
+    def _before_wait(self) -> None:
+        """Called before iteration waits for the next item (a simulated engine runs its steps here)."""
+
     def __iter__(self) -> Iterator[TokenDelta]:
         while not self._consumed:
+            self._before_wait()
             try:
                 item = self._q.get()
             except KeyboardInterrupt:

@@ -6,7 +6,10 @@ scheduler, the cache manager or the core.
 
 - `BatchPlan`: the scheduler's decision for a step: the `ScheduledRequest`s that run, and for every request not
   taken the `SkipReason` with the numbers that decided it (`SkippedRequests`), plus the active requests that could
-  not get their next blocks (`StalledRequest`).
+  not get their next blocks (`StalledRequest`). `BatchPlan.skipped_requests()` yields every (request id, reason).
+- `QueueTail`: the compact form of a skip entry's request ids when a reason covers the whole rest of the waiting
+  queue (a sequence of ids that expands on demand), so that recording a step's skips costs O(distinct reasons), not
+  O(waiting requests).
 - `StepWork`: the plan plus what the core decided around it (offloads, the swap-out and restore copies, requests
   failed while scheduling), i.e. everything the runner must do for the step.
 - `StepResult`: what a runner hands back: the sampled token per request and where the time went.
@@ -18,16 +21,17 @@ for type checkers only.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # names only: importing them would tie this module to the deciding side
     from .cache.manager import Allocation, SwapOut
     from .offload import OffloadDecision
     from .requests import Request
 
-__all__ = ["SkipReason", "ScheduledRequest", "SkippedRequests", "StalledRequest", "BatchPlan", "StepWork",
-           "StepResult"]
+__all__ = ["SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
+           "StepWork", "StepResult"]
 
 
 class SkipReason(str, enum.Enum):
@@ -74,12 +78,76 @@ class ScheduledRequest:
         return self.start + self.num_tokens
 
 
+class QueueTail(Sequence):
+    """Request ids in compact form: `head` (explicit ids), then the waiting queue as it stood at one step from one
+    position on.
+
+    A scheduler keeps `log`, an append-only list of the request ids it queued, one entry per queueing (a request
+    re-queued by an offload appears again); the waiting queue is the entries of the log not yet taken out, in log
+    order. The tail is the log's entries ``lo .. hi - 1`` except the positions in `holes` (entries taken out of the
+    queue before that step), so it costs O(1) to record, whatever the length of the queue, and it expands on
+    iteration to exactly the ids the scheduler would have listed one by one. It compares equal to any sequence of
+    the same ids (a list, a tuple, another `QueueTail`); `to_dict()` of events writes it as a list.
+
+    Args:
+        head: ids listed before the tail (e.g. active requests refused for the same reason first).
+        log: the scheduler's queue log (never modified in the range the tail covers).
+        lo, hi: the tail's range of log positions.
+        holes: positions in [lo, hi) that are not part of the tail.
+    """
+
+    __slots__ = ("head", "log", "lo", "hi", "holes", "_n")
+
+    def __init__(self, head: Sequence[str], log: list[str], lo: int, hi: int, holes: Sequence[int] = ()) -> None:
+        self.head = tuple(head)
+        self.log = log
+        self.lo, self.hi = lo, hi
+        self.holes = frozenset(holes)
+        self._n = len(self.head) + hi - lo - len(self.holes)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.head
+        tail = self.log[self.lo:self.hi]
+        if not self.holes:
+            yield from tail
+        else:
+            holes, lo = self.holes, self.lo
+            yield from (rid for i, rid in enumerate(tail, lo) if i not in holes)
+
+    def __getitem__(self, i: Any) -> Any:
+        return list(self)[i]
+
+    def __contains__(self, rid: object) -> bool:
+        return any(r == rid for r in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (str, bytes)) or not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        ids = list(self)
+        shown = ", ".join(map(repr, ids[:4])) + (", ..." if len(ids) > 4 else "")
+        return f"QueueTail([{shown}], {len(ids)} ids)"
+
+    def __deepcopy__(self, memo: dict) -> "QueueTail":
+        return self  # immutable (its log range never changes)
+
+
 @dataclass
 class SkippedRequests:
-    """Requests not taken for one reason; `detail` holds the numbers that decided it (tokens, blocks, fractions)."""
+    """Requests not taken for one reason; `detail` holds the numbers that decided it (tokens, blocks, fractions).
+
+    `request_ids` is a list, or a `QueueTail` when the reason covered the rest of the waiting queue (it iterates,
+    counts and compares as the list would)."""
 
     reason: SkipReason
-    request_ids: list[str]
+    request_ids: list[str] | QueueTail
     detail: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,6 +202,13 @@ class BatchPlan:
             if request_id in s.request_ids:
                 return s
         return None
+
+    def skipped_requests(self) -> Iterator[tuple[str, SkipReason]]:
+        """Every request not taken this step with its reason, as (request_id, reason): entry by entry, each entry's
+        ids in candidate order (compact `QueueTail` entries expanded)."""
+        for s in self.skipped:
+            for rid in s.request_ids:
+                yield rid, s.reason
 
 
 @dataclass

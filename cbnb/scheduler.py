@@ -25,20 +25,32 @@ Both schedulers follow transformers' `Scheduler._process_candidates` (transforme
 
 The result is a `BatchPlan` (`cbnb.plan`, re-exported here): plain data that also names every request not taken,
 with the reason and the numbers that decided it. This module is torch-free.
+
+**Skips at scale.** Some reasons, once they refuse one waiting request, refuse every later one in the same pass
+with the same numbers: the request cap and the token budget (nothing is left), the offload back-off, a stalled
+request ahead, and the safety margin (waiting requests are never decodes). The scheduler then records the whole
+rest of the waiting queue in one entry, a `cbnb.plan.QueueTail` over its append-only `queue_log`, instead of
+visiting each request, so a step costs O(active + visited waiting + distinct reasons), not O(waiting). The entry
+expands to exactly the ids the per-request loop would have listed (`compact_skips = False` runs that loop; a test
+checks both agree); `BatchPlan.skipped_requests()` yields every (request id, reason). While requests re-queued by an
+offload wait (their order interleaves with fresh ones), the rest is listed explicitly.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Collection
 
 from .cache.manager import Allocation, CacheManager, Shortfall
 from .config import ContinuousBatchingConfig
-from .plan import BatchPlan, ScheduledRequest, SkippedRequests, SkipReason, StalledRequest
+from .plan import BatchPlan, QueueTail, ScheduledRequest, SkippedRequests, SkipReason, StalledRequest
 from .requests import Request, RequestState
 
 __all__ = [
-    "SkipReason", "ScheduledRequest", "SkippedRequests", "StalledRequest", "BatchPlan",
+    "SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
     "Scheduler", "FIFOScheduler", "PrefillFirstScheduler", "make_scheduler", "SCHEDULERS",
 ]
 
@@ -58,6 +70,9 @@ class Scheduler:
     """
 
     name = "base"
+    #: Record a reason that covers the rest of the waiting queue as one `QueueTail` entry (see the module
+    #: docstring); False: visit and list every waiting request (the reference the compact form is tested against).
+    compact_skips = True
 
     def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager) -> None:
         if config.max_batch_tokens is None or config.max_requests_per_batch is None:
@@ -69,14 +84,34 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.active: OrderedDict[str, Request] = OrderedDict()
         self.block_new_requests = False
+        self.clock = time.perf_counter  # time stamps of state changes (the core sets its own clock)
         sliding_cap = cache.layout.max_window
         self._read_cap = (sliding_cap - 1) if sliding_cap else None
+        self.queue_log: list[str] = []  # every queueing, in order (the log `QueueTail`s read); append-only
+        self._pos: dict[str, int] = {}  # waiting request id -> its position in queue_log
+        self._gone: list[int] = []  # sorted positions taken out of the queue (none below the oldest waiting one)
+        self._requeued: set[str] = set()  # waiting requests that were offloaded or soft-reset before
 
     # ------------------------------------------------------------------------------------------ queues
     def add_waiting(self, req: Request) -> None:
         """Queue a request at the back of the waiting order."""
-        self.active.pop(req.request_id, None)
-        self.waiting[req.request_id] = req
+        rid = req.request_id
+        self.active.pop(rid, None)
+        if rid in self.waiting:  # already queued: it keeps its place
+            self.waiting[rid] = req
+            return
+        self.waiting[rid] = req
+        self._pos[rid] = len(self.queue_log)
+        self.queue_log.append(rid)
+        if req.num_offloads or req.num_soft_resets:
+            self._requeued.add(rid)
+
+    def _take_waiting(self, request_id: str) -> Request | None:
+        req = self.waiting.pop(request_id, None)
+        if req is not None:
+            bisect.insort(self._gone, self._pos.pop(request_id))
+            self._requeued.discard(request_id)
+        return req
 
     def remove(self, request_id: str) -> Request | None:
         """Forget a request (finished, failed, cancelled). An active request leaving ends an offload back-off."""
@@ -84,29 +119,50 @@ class Scheduler:
         if req is not None:
             self.block_new_requests = False
             return req
-        return self.waiting.pop(request_id, None)
+        return self._take_waiting(request_id)
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.active)
 
-    def _waiting_candidates(self) -> list[Request]:
-        if not self.waiting:
-            return []
-        requeued = [r for r in self.waiting.values() if r.num_offloads or r.num_soft_resets]
-        if not requeued:
-            return list(self.waiting.values())
-        fresh = [r for r in self.waiting.values() if not (r.num_offloads or r.num_soft_resets)]
+    def _waiting_order(self) -> tuple[Collection[Request], bool]:
+        """(waiting candidates in order, whether that is the queue's own order): requests re-queued by an offload
+        interleaved with fresh ones, re-queued first (transformers' order), else the queue as it is."""
+        if not self._requeued:
+            return self.waiting.values(), True
+        requeued = [r for r in self.waiting.values() if r.request_id in self._requeued]
+        fresh = [r for r in self.waiting.values() if r.request_id not in self._requeued]
         out: list[Request] = []
         for i in range(max(len(requeued), len(fresh))):
             if i < len(requeued):
                 out.append(requeued[i])
             if i < len(fresh):
                 out.append(fresh[i])
-        return out
+        return out, False
+
+    def active_candidates(self) -> list[Request]:
+        """Active candidates in order."""
+        raise NotImplementedError
 
     def candidates(self) -> tuple[list[Request], list[Request]]:
         """(active candidates in order, waiting candidates in order)."""
-        raise NotImplementedError
+        return self.active_candidates(), list(self._waiting_order()[0])
+
+    def _rest(self, head: list[str], waiting: Collection[Request], plain: bool, w_idx: int,
+              first: Request | None) -> list[str] | QueueTail:
+        """`head`, then the ids of the waiting candidates from position `w_idx` on, `first` being that candidate (None:
+        the rest is every waiting candidate); none of them visited yet in this pass."""
+        count = len(waiting) - w_idx
+        if count <= 0:
+            return head
+        if self.compact_skips and plain:
+            log = self.queue_log
+            lo = self._pos[(first or next(iter(waiting))).request_id]
+            gone = self._gone
+            holes = gone[bisect.bisect_left(gone, lo):]  # every position in [lo, len(log)) not waiting
+            if len(holes) <= count:  # else a long explicit list is the smaller record
+                return QueueTail(head, log, lo, len(log), holes)
+        rest = waiting if isinstance(waiting, list) else list(waiting)
+        return head + [r.request_id for r in rest[w_idx:]]
 
     # ------------------------------------------------------------------------------------------ scheduling
     def schedule(self, step_id: int = 0) -> BatchPlan:
@@ -114,6 +170,7 @@ class Scheduler:
         cache = self.cache
         cache.flush_host_releases()
         cache.release_empty_sectors()
+        now = self.clock()
         free = cache.free_fraction()
         margin = self.safety_margin
         below = free < margin
@@ -122,7 +179,15 @@ class Scheduler:
         token_left = self.max_batch_tokens
         cache_left = cache.capacity_tokens
         req_left = self.max_requests
-        active_c, waiting_c = self.candidates()
+        if self._gone:  # positions below the oldest waiting request are no tail's business any more
+            oldest = self._pos[next(iter(self.waiting))] if self.waiting else len(self.queue_log)
+            k = bisect.bisect_left(self._gone, oldest)
+            if k:
+                del self._gone[:k]
+        active_c = self.active_candidates()
+        waiting_c, plain = self._waiting_order()
+        n_active = len(active_c)
+        compact = self.compact_skips
         skips: dict[tuple, SkippedRequests] = {}
 
         def skip(reason: SkipReason, rid: str, **detail: Any) -> None:
@@ -133,9 +198,20 @@ class Scheduler:
                 plan.skipped.append(entry)
             entry.request_ids.append(rid)
 
+        def skip_rest(reason: SkipReason, req: Request, **detail: Any) -> None:
+            # `reason` refuses `req` (a waiting candidate) and, with the same numbers, every waiting one after it.
+            key = (reason, tuple(sorted(detail.items())))
+            entry = skips.get(key)
+            ids = self._rest(list(entry.request_ids) if entry else [], waiting_c, plain, idx - n_active, req)
+            if entry is None:
+                entry = skips[key] = SkippedRequests(reason, ids, detail)
+                plan.skipped.append(entry)
+            else:
+                entry.request_ids = ids
+
         backoff = self.block_new_requests and bool(self.active)
         admitted: list[str] = []
-        cands = active_c + waiting_c
+        cands = itertools.chain(active_c, waiting_c)
         scheduled = plan.scheduled
         allocators = cache.allocators
         read_cap = self._read_cap
@@ -153,7 +229,10 @@ class Scheduler:
             waiting = state is _PENDING
             if req_left == 0 or token_left == 0:
                 # Everything after this point is refused for the same reason: record the rest in one entry.
-                rest = [r.request_id for r in cands[idx:]]
+                if idx < n_active:
+                    rest = self._rest([r.request_id for r in active_c[idx:]], waiting_c, plain, 0, None)
+                else:
+                    rest = self._rest([], waiting_c, plain, idx - n_active, req)
                 if req_left == 0:
                     entry = SkippedRequests(SkipReason.REQUEST_CAP, rest, {"cap": self.max_requests})
                 else:
@@ -161,12 +240,20 @@ class Scheduler:
                                             {"budget_tokens": self.max_batch_tokens, "left_tokens": 0})
                 skipped_append(entry)
                 break
+            # The three reasons below refuse a waiting request for what holds for every later one in this pass (the
+            # waiting candidates come last, and none of them is a decode): with `compact`, the rest in one entry.
             if waiting and backoff:
+                if compact:
+                    skip_rest(SkipReason.OFFLOAD_BACKOFF, req)
+                    break
                 skip(SkipReason.OFFLOAD_BACKOFF, rid)
                 continue
             if waiting and plan.stalled:
                 # The free blocks are owed to the stalled active requests ahead (transformers admits newcomers
                 # here, which deepens the stall and makes the stalled request the next offload victim).
+                if compact:
+                    skip_rest(SkipReason.STALLED_AHEAD, req, stalled=len(plan.stalled))
+                    break
                 skip(SkipReason.STALLED_AHEAD, rid, stalled=len(plan.stalled))
                 continue
             num_tokens = len(req.prompt_ids) + len(req.output_ids) + req.pending_samples
@@ -179,6 +266,9 @@ class Scheduler:
             decode = (num_tokens - computed == 1 and (len(req.output_ids) + req.pending_samples) > 0
                       and not req.swapped)
             if below and scheduled and not decode:
+                if compact and waiting:
+                    skip_rest(SkipReason.SAFETY_MARGIN, req, safety_margin=margin, free_fraction=round(free, 6))
+                    break
                 skip(SkipReason.SAFETY_MARGIN, rid, safety_margin=margin, free_fraction=round(free, 6))
                 continue
             match = cache.match_prefix(req) if (waiting and computed == 0) else None
@@ -226,9 +316,9 @@ class Scheduler:
             if samples:
                 req.pending_samples += 1
                 if state is not _DECODING:
-                    req.transition(_DECODING)
+                    req.transition(_DECODING, now)
             elif state is not _PREFILLING:
-                req.transition(_PREFILLING)
+                req.transition(_PREFILLING, now)
             if waiting:
                 admitted.append(rid)
             scheduled.append(ScheduledRequest(req, start, n, "decode" if decode else "prefill", samples, hit,
@@ -237,7 +327,7 @@ class Scheduler:
             cache_left -= need_read
             req_left -= 1
         for rid in admitted:
-            self.active[rid] = self.waiting.pop(rid)
+            self.active[rid] = self._take_waiting(rid)
         plan.cache_read_tokens = cache.capacity_tokens - cache_left
         return plan
 
@@ -261,12 +351,12 @@ class FIFOScheduler(Scheduler):
 
     name = "fifo"
 
-    def candidates(self) -> tuple[list[Request], list[Request]]:
+    def active_candidates(self) -> list[Request]:
         dec: list[Request] = []
         pre: list[Request] = []
         for r in self.active.values():
             (dec if r.state is _DECODING else pre).append(r)
-        return dec + pre, self._waiting_candidates()
+        return dec + pre
 
 
 class PrefillFirstScheduler(Scheduler):
@@ -274,12 +364,12 @@ class PrefillFirstScheduler(Scheduler):
 
     name = "prefill_first"
 
-    def candidates(self) -> tuple[list[Request], list[Request]]:
+    def active_candidates(self) -> list[Request]:
         dec: list[Request] = []
         pre: list[Request] = []
         for r in self.active.values():
             (dec if r.state is _DECODING else pre).append(r)
-        return pre + dec, self._waiting_candidates()
+        return pre + dec
 
 
 SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}

@@ -29,7 +29,7 @@ from .cache.snapshot import kv_usage
 from .events import (BlocksAllocated, BlocksDeduplicated, BlocksDemoted, BlocksFreed, BlocksShared, CudaGraph, Event,
                      EventLog, Offload, PrefixHit, RequestAdded, RequestDone, RequestWarning, Restore, RunStarted,
                      StateChange, StepPlanned, StepTiming)
-from .plan import StepResult, StepWork
+from .plan import QueueTail, StepResult, StepWork
 from .requests import Request
 from .stats import RunStats
 
@@ -37,6 +37,11 @@ __all__ = ["Recorder", "KV_SAMPLE_S"]
 
 #: Seconds between two KV usage samples taken after steps.
 KV_SAMPLE_S = 0.2
+
+
+def _ids(ids):
+    # A `QueueTail` is immutable and O(1) to keep; a list is copied (the plan's own list stays the scheduler's).
+    return ids if isinstance(ids, QueueTail) else list(ids)
 
 
 class Recorder:
@@ -80,8 +85,10 @@ class Recorder:
             self.events.extend(batch)
 
     def reset_run(self) -> None:
-        """Start a new run for `run` (the cumulative figures keep counting)."""
+        """Start a new run for `run` (the cumulative figures keep counting). The run's KV samples start with its own
+        first step (so two runs of one workload sample at the same offsets, e.g. a simulation's repeats)."""
         self.run = RunStats()
+        self._kv_sample_t = float("-inf")
 
     def mark_run(self, cause: str, label: str = "") -> None:
         """Record a `RunStarted` marker (any thread: it goes to the log at once, after the steps already there)."""
@@ -147,7 +154,7 @@ class Recorder:
             self.pending.insert(mark, StepPlanned(
                 work.step_id, t0, p.scheduler,
                 [(s.request_id, s.phase, s.num_tokens, s.start, s.prefix_hit_tokens) for s in p.scheduled],
-                [(k.reason.value, list(k.request_ids), dict(k.detail)) for k in p.skipped],
+                [(k.reason.value, _ids(k.request_ids), dict(k.detail)) for k in p.skipped],
                 [(st.request_id, list(st.blocks_needed), list(st.blocks_available)) for st in p.stalled],
                 p.token_budget, p.num_tokens, p.num_prefill_tokens, p.num_decode_tokens, p.cache_budget,
                 p.cache_read_tokens, p.request_cap, len(p.scheduled), p.free_fraction, p.safety_margin,
@@ -197,12 +204,14 @@ class Recorder:
         return kv_usage(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def summary(self) -> dict[str, Any]:
-        """{"run": ..., "cumulative": ...} (`RunStats.summary()`), with the KV usage of this moment when enabled."""
+        """{"run": ..., "cumulative": ...} (`RunStats.summary()`), with the KV usage of this moment when enabled, and
+        "clock_s": the recorder's clock now (the seconds every time in the figures is measured in: perf_counter
+        seconds for `cbnb.Engine`, simulated seconds for `cbnb.sim.SimEngine`)."""
         if self.enabled and self.cache is not None:
             usage = self.kv_usage()
             self.run.kv_last = dict(usage)
             self.total.kv_last = dict(usage)
-        return {"run": self.run.summary(), "cumulative": self.total.summary()}
+        return {"run": self.run.summary(), "cumulative": self.total.summary(), "clock_s": self.clock()}
 
     # ------------------------------------------------------------------------------------------ cache events
     def _cache_event(self, kind: str, **kw: Any) -> None:

@@ -34,7 +34,8 @@ use, when the engine has them:
                            (`cbnb.Engine` does); otherwise `reconfigure` here writes it
 ``runs``                   the engine's `RunLog`; an object without one gets it set as an attribute on first use
                            (`cbnb.runs.run_log`)
-``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb")
+``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb"; the
+                           simulator: "sim-<profile>", whose single runs `best` knows to be deterministic)
 ``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
                            `cbnb.driver`); absent: the wall clock
 ``generate(...)``          the warm-up of `sweep`: ``generate([prompt], max_new_tokens=2, ignore_eos=True)`` on each
@@ -277,6 +278,15 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     return result
 
 
+def _eps(a: float, b: float) -> float:
+    return 1e-9 * max(abs(a), abs(b))
+
+
+def _simulated(run: Run) -> bool:
+    """A run of `cbnb.sim.SimEngine` (its ``engine_name`` is "sim-<profile>")."""
+    return str(run.engine).startswith("sim-")
+
+
 def _f(x: Any, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
@@ -353,7 +363,8 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     ranking = [r[:5] for r in have]
     top = have[0]
     label = FIGURE_LABELS.get(figure, figure)
-    tied = [r for r in have[1:] if r[2] <= top[3] and top[2] <= r[3]]
+    # ranges overlap; values equal to float rounding count as equal (a simulation's repeats differ by ~1e-15)
+    tied = [r for r in have[1:] if r[2] <= top[3] + _eps(r[2], top[3]) and top[2] <= r[3] + _eps(top[2], r[3])]
     ns = sorted({r[4] for r in have})
     runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
     if tied:
@@ -362,7 +373,11 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
                 f"{others} (median [min-max] over {runs_txt}).")
         return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text)
     second = have[1] if len(have) > 1 else None
-    note = " One run per point: the noise was not measured, so treat this as provisional." if ns[-1] < 2 else ""
+    note = ""
+    if ns[-1] < 2:
+        note = (" One run per point of a simulation (deterministic: a repeat gives the same figures); its error "
+                "against a real engine is not in these numbers." if all(_simulated(r) for g in groups for r in g)
+                else " One run per point: the noise was not measured, so treat this as provisional.")
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
             f"{runs_txt}; no range overlaps the winner's).{note}")

@@ -149,27 +149,14 @@ class StepRecorder:
             return max((sum(e.num_tokens for e in step) for step in self.steps), default=0)
 
 
-@contextlib.contextmanager
-def paused(engine: cbnb.Engine) -> Iterator[None]:
+def paused(engine: cbnb.Engine):
     """Hold the engine loop before its next inbox drain while the block runs (the engine is started if needed).
 
     Submissions made inside the block are therefore all applied in the same loop turn.
     """
-    gate = threading.Event()
-    loop = engine._loop
-    orig = loop.drain
+    from cbnb.sim._together import submitted_together
 
-    def gated_drain():
-        gate.wait(TIMEOUT)
-        return orig()
-
-    loop.drain = gated_drain  # type: ignore[method-assign]
-    engine.start()  # after patching, so that a fresh loop's very first drain is held too
-    try:
-        yield
-    finally:
-        loop.drain = orig  # type: ignore[method-assign]
-        gate.set()
+    return submitted_together(engine, TIMEOUT)
 
 
 def submit_together(engine: cbnb.Engine, prompts: list[list[int]], max_new_tokens: int | list[int] = STD_NEW,

@@ -38,6 +38,7 @@ from cbnb.cache.manager import CacheManager, Shortfall
 from cbnb.cache.prefix import block_hash
 from cbnb.config import ContinuousBatchingConfig
 from cbnb.core import EngineCore
+from cbnb.plan import QueueTail
 from cbnb.requests import Request, RequestState, SamplingParams
 
 EOS = 1
@@ -671,6 +672,60 @@ def test_random_workloads(family: str, examples: int) -> None:
         Sim(setup, async_mode).run(gen_ops(*workload))
 
     inner()
+
+
+class RecordingSim(Sim):
+    """A `Sim` whose scheduler records skips compactly or one by one, keeping every step's plan in plain form."""
+
+    def __init__(self, setup: Setup, async_mode: bool, compact: bool) -> None:
+        super().__init__(setup, async_mode)
+        self.core.scheduler.compact_skips = compact
+        self.plans: list[tuple] = []
+        self.tails = 0
+        schedule = self.core.schedule
+
+        def recorded():
+            work = schedule()
+            p = work.plan
+            skipped = []
+            for k in p.skipped:
+                ids = list(k.request_ids)
+                if isinstance(k.request_ids, QueueTail):
+                    self.tails += 1
+                    assert len(k.request_ids) == len(ids) and k.request_ids == ids
+                skipped.append((k.reason, ids, dict(k.detail)))
+            self.plans.append(([(s.request_id, s.start, s.num_tokens, s.phase) for s in p.scheduled], skipped,
+                               [(x.request_id, x.blocks_needed) for x in p.stalled],
+                               [(d.request.request_id, d.path) for d in work.offloads],
+                               list(p.skipped_requests())))
+            return work
+
+        self.core.schedule = recorded  # type: ignore[method-assign]
+
+
+TAILS = {"n": 0}
+
+
+@pytest.mark.parametrize("family, examples", [("full", 60), ("hybrid", 40)])
+def test_compact_skips_expand_to_the_per_request_reasons(family: str, examples: int) -> None:
+    """`QueueTail` entries (the rest of the waiting queue in one record) expand to exactly the ids and reasons the
+    per-request loop (`compact_skips = False`) lists, and the decisions are the same, step for step."""
+
+    @settings(max_examples=examples, **SETTINGS)
+    @given(setup=setups(family), workload=WORKLOAD, async_mode=st.sampled_from([False, True]))
+    def inner(setup: Setup, workload, async_mode: bool) -> None:
+        ops = gen_ops(*workload)
+        compact, reference = RecordingSim(setup, async_mode, True), RecordingSim(setup, async_mode, False)
+        compact.run(ops)
+        reference.run(ops)
+        assert reference.tails == 0
+        assert len(compact.plans) == len(reference.plans)
+        for k, (a, b) in enumerate(zip(compact.plans, reference.plans)):
+            assert a == b, f"step {k + 1} differs"
+        TAILS["n"] += compact.tails
+
+    inner()
+    assert TAILS["n"] > 0, "no compact entry was exercised"
 
 
 def test_step_count_reported() -> None:

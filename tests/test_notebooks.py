@@ -13,7 +13,8 @@ NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
 
 def test_the_notebooks_exist():
     assert NOTEBOOKS == ["01_quickstart.ipynb", "02_tuning_page_size_and_safety_margin.ipynb",
-                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb", "06_serve_and_load.ipynb"]
+                         "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb", "05_what_if_production.ipynb",
+                         "06_serve_and_load.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -44,6 +45,10 @@ EXPECT = {
                                                     "ContinuousBatchingConfig(", "vllm serve"],
     "03_prefix_caching.ipynb": ["of the prompt tokens were served from the cache"],
     "04_offloading_and_soft_reset.ipynb": ["Without a swap pool the engine soft-reset"],
+    "05_what_if_production.ipynb": ["llama-3.1-8b: 32 layers", "configs x", "What the numbers say",
+                                    "goodput (req/s) by page_size x max_batch_tokens x safety_margin (best: ",
+                                    "winner: goodput", "ContinuousBatchingConfig(", "vllm serve meta-llama/Llama-3.1-8B",
+                                    "predicted"],
     "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
                                 "stopped"],
 }

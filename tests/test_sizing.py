@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -84,3 +85,40 @@ def test_runner_static_logits_match_the_sizing():
     r.configure(eng.config, use_cuda_graph=False, use_async_batching=False)
     assert all(p.logits is None for p in r.pairs)
     assert eng.memory_split()["cuda_graphs"] == 0  # a CPU engine sizes no graph memory
+
+
+def test_engine_and_simulator_size_through_one_path(monkeypatch):
+    # `Engine.plan_memory` (its builder) and `SimEngine` both call `sizing.plan_memory`: given the same free memory,
+    # the same model and config, they size the same cache, CUDA-graph memory included on a GPU.
+    from cbnb import build
+    from cbnb.cache.sizing import plan_memory
+    from cbnb.sim import HardwareProfile, SimEngine, load_shape
+
+    model = tiny_model("tiny:llama")
+    eng = cbnb.Engine(model, config=config(page_size=16, num_blocks=32, max_batch_tokens=64))
+    b = eng._builder
+    free = 3 * GiB
+    monkeypatch.setattr(build, "free_memory", lambda device: free)
+    calls = []
+    real = build.plan_memory
+    monkeypatch.setattr(build, "plan_memory", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    cfg = config(page_size=16, max_batch_tokens=64, cpu_offload_space=0)
+    resolved, mp, swap = eng.plan_memory(cfg)
+    assert calls and calls[0]["free_bytes"] == free and calls[0]["device_type"] == "cpu"
+    want = plan_memory(cfg, b.spec, b.itemsize, device_type="cpu", free_bytes=free, weight_bytes=b.weight_bytes,
+                       host_available_bytes=0)
+    assert (resolved, mp, swap) == (want[0], want[2], want[3])
+    # The simulator on a profile whose free memory is the same gives the same plan.
+    shape = load_shape(model.config, dtype="float32")
+    prof = HardwareProfile(name="t", kind="cpu", runner="cpu", memory_bytes=free + shape.weight_bytes(),
+                           peak_flops={"float32": 1e11}, memory_bandwidth=1e10, host_device_bandwidth=1e10,
+                           step_overhead_s=1e-3, step_overhead_graph_s=1e-3, kernel_launch_s=1e-5)
+    sim = SimEngine(shape, prof, cfg)
+    # (the shape counts parameters, the engine also its buffers, e.g. RoPE's inv_freq: only the reported bytes differ)
+    assert dataclasses.replace(sim.memory, weight_bytes=mp.weight_bytes) == mp and sim.config.num_blocks == mp.num_blocks
+    # On a GPU the same path counts the graphs' memory (async batching: two IO pairs).
+    gpu = plan_memory(config(page_size=16), b.spec, b.itemsize, device_type="cuda", free_bytes=free,
+                      weight_bytes=0, host_available_bytes=0)[2]
+    eager = plan_memory(config(page_size=16, use_cuda_graph=False), b.spec, b.itemsize, device_type="cuda",
+                        free_bytes=free, weight_bytes=0, host_available_bytes=0)[2]
+    assert gpu.graph_bytes > 0 == eager.graph_bytes and gpu.num_sectors < eager.num_sectors

@@ -166,6 +166,16 @@ def test_time_series_rates_percentages_and_missing_values():
     assert row["out_tok_s"] == pytest.approx(20 / 1.0)
 
 
+def test_time_series_follows_the_engines_clock_when_the_stats_carry_one():
+    # A simulation played 10x faster than real time: 10 simulated seconds per wall second.
+    ts = TimeSeries(t0=100.0, window_s=1.0)
+    first = ts.add_stats(100.5, dict(stats(0), clock_s=7.0))
+    assert first["t"] == 0.5  # aligned with the wall clock at the first sample
+    row = ts.add_stats(101.0, dict(stats(400), clock_s=12.0))
+    assert row["t"] == pytest.approx(5.5)  # then the engine's seconds
+    assert row["out_tok_s"] == pytest.approx(400 / 5.0)  # tokens per simulated second, not per wall second
+
+
 # ---------------------------------------------------------------------------------------------- KV map
 def synthetic_snapshot(n_blocks: int, n_requests: int = 500, seed: int = 0) -> KVSnapshot:
     rng = np.random.default_rng(seed)

@@ -27,11 +27,11 @@ from the eager path's memory. For Qwen3-0.6B in bf16 with the presets (R = 1024,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from .layout import KVLayout
+from .layout import KVLayout, layout_for
 
-__all__ = ["MemoryPlan", "graph_bytes", "plan_cache", "swap_sectors"]
+__all__ = ["MemoryPlan", "graph_bytes", "plan_cache", "plan_memory", "swap_sectors"]
 
 GiB = 1 << 30
 
@@ -188,3 +188,45 @@ def swap_sectors(layout: KVLayout, cpu_offload_space_gib: float | None, safety_t
     else:
         want = min(int(cpu_offload_space_gib * GiB), cap)
     return max(0, want // layout.bytes_per_sector) if want > 0 else 0
+
+
+def plan_memory(config: Any, spec: dict[str, Any], itemsize: int, *, device_type: str, free_bytes: int,
+                weight_bytes: int, host_available_bytes: int | Callable[[], int],
+                cuda_graphs_supported: bool | None = None) -> tuple[Any, KVLayout, MemoryPlan, int]:
+    """Resolve a config for a device and size its cache and swap pool, allocating nothing (torch-free).
+
+    The one sizing path: `cbnb.build.EngineBuilder` (hence `cbnb.Engine.plan_memory`) runs it with measured free
+    memory; `cbnb.sim.SimEngine` runs it with a hardware profile's figures. CUDA-graph memory is counted when the
+    resolved config uses graphs (`resolve` turns them off where the backend cannot capture them), with two IO pairs
+    under async batching (see `graph_bytes`).
+
+    Args:
+        config: a `ContinuousBatchingConfig` (not modified).
+        spec: `model_kv_spec(...)` output plus "intermediate_size".
+        itemsize: bytes per KV element.
+        device_type: "cpu", "cuda", ... (for `ContinuousBatchingConfig.resolve`).
+        free_bytes: device memory free once the weights are loaded.
+        weight_bytes: the weights' bytes (reported in the plan).
+        host_available_bytes: host RAM available (clamps the swap pool), or a function returning it (only called
+            when the config asks for a swap pool).
+        cuda_graphs_supported: whether the backend can capture CUDA graphs (None: on "cuda" only).
+
+    Returns:
+        (resolved config with num_blocks filled in, the layout, the memory plan, host swap sectors).
+
+    Raises:
+        ValueError: an invalid page size or layer layout. MemoryError: as `plan_cache`.
+    """
+    r = config.resolve(device_type, cuda_graphs_supported=cuda_graphs_supported)
+    layout = layout_for(spec, itemsize, r.page_size)
+    graphs = r.cuda_graph_booleans
+    mp = plan_cache(layout, spec, max_batch_tokens=r.max_batch_tokens, max_requests_per_batch=r.max_requests_per_batch,
+                    max_memory_percent=r.max_memory_percent, free_bytes=free_bytes, weight_bytes=weight_bytes,
+                    num_blocks=r.num_blocks, cuda_graphs=graphs,
+                    io_pairs=2 if r.use_async_batching and any(graphs) else 1)
+    swap = 0
+    if r.cpu_offload_space is None or r.cpu_offload_space > 0:
+        host = host_available_bytes() if callable(host_available_bytes) else host_available_bytes
+        swap = swap_sectors(layout, r.cpu_offload_space, r.cpu_offload_space_safety_threshold, int(host))
+    r.num_blocks = mp.num_blocks
+    return r, layout, mp, swap

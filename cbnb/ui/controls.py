@@ -59,8 +59,18 @@ class ControlsPanel(Panel):
             self.step_rate = float(getattr(eng, "step_rate", None) or 0.0)
 
     # ------------------------------------------------------------------------------------------ actions
+    def _no_step_mode(self) -> bool:
+        """True (and says why) for an engine without the step mode: a `cbnb.sim.SimEngine` plays at its speed."""
+        if all(hasattr(self.engine, a) for a in ("pause", "step", "resume", "set_step_rate")):
+            return False
+        self.show("This engine has no step mode: a simulation plays at its playback speed (sim.speed = x for x "
+                  "simulated seconds per second, None for as fast as possible).", "info")
+        return True
+
     def pause(self) -> None:
         """Pause after the step now running (`Engine.pause`)."""
+        if self._no_step_mode():
+            return
         self.engine.pause(wait=False)
         self.paused = True
         self.show("Paused: panels show the state after the last step; submissions wait PENDING. "
@@ -69,6 +79,8 @@ class ControlsPanel(Panel):
 
     def resume(self) -> None:
         """Let steps run freely again (`Engine.resume`)."""
+        if self._no_step_mode():
+            return
         self.engine.resume()
         self.paused = False
         self.show("Running.", "ok")
@@ -80,7 +92,7 @@ class ControlsPanel(Panel):
         Returns:
             False when a step is already running; with `wait`, True once this step completed.
         """
-        if self.stepping:
+        if self.stepping or self._no_step_mode():
             return False
         self.stepping = True
         self.paused = True
@@ -103,6 +115,8 @@ class ControlsPanel(Panel):
 
     def set_step_rate(self, steps_per_s: float) -> None:
         """Slow motion: at most `steps_per_s` steps per second (0: no cap)."""
+        if self._no_step_mode():
+            return
         self.engine.set_step_rate(steps_per_s or None)
         self._sync()
         self.show(f"Slow motion: at most {steps_per_s:g} steps per second." if steps_per_s else

@@ -166,7 +166,11 @@ class TimeSeries(_Ring):
     step the engine had reached ("step") and its time ("t", seconds since `t0`), in run segment "run".
     Throughput is the rate of the cumulative output/prefill token counters between samples, averaged over the last
     `window_s` seconds. A NaN row breaks the lines where a segment starts and after an idle gap (`IDLE_GAP_S`
-    seconds with no new step)."""
+    seconds with no new step).
+
+    Time is the engine's own clock when its stats carry one ("clock_s"; a simulator's is simulated seconds, so a
+    simulation played faster than real time still shows its own tokens/s), aligned with the wall clock at the first
+    sample; else the wall time of the read."""
 
     COLUMNS = ("t", "step", "run", "kv_blocks_pct", "kv_tokens_pct", "prefix_hit_tokens", "prefix_hit_pct", "swaps",
                "soft_resets", "restores", "graph_captures", "graph_replays", "out_tok_s", "prefill_tok_s",
@@ -178,12 +182,18 @@ class TimeSeries(_Ring):
         self.window_s = window_s
         self._counters: deque[tuple[float, float, float]] = deque()
         self._last: tuple[float, float, int] | None = None  # (wall, step, run) of the newest sample
+        self._clock0: float | None = None  # engine clock - seconds since t0, fixed at the first sample
 
     def add_stats(self, wall: float, stats: Mapping[str, Any], step: float | None = None,
                   run: int = 0) -> dict[str, float | None]:
         """Append one sample from `engine.stats()` read at `wall` (time.time()), taken at engine step `step`, in
         run segment `run`. Returns the row."""
         r, cum = stats["run"], stats["cumulative"]
+        clock = stats.get("clock_s")
+        if clock is not None:
+            if self._clock0 is None:
+                self._clock0 = clock - (wall - self.t0)
+            wall = self.t0 + clock - self._clock0
         if step is None:
             step = cum.get("steps")
         last = self._last

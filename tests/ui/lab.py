@@ -133,6 +133,7 @@ class Lab:
         finally:
             kc.stop_channels()
 
+
 def skip_reason() -> str | None:
     """Why the real-browser tests cannot run here (None: they can)."""
     if not Path(CHROMIUM).exists():
@@ -144,6 +145,24 @@ def skip_reason() -> str | None:
     if shutil.which("jupyter", path=str(Path(sys.executable).parent)) is None:
         return "jupyter not installed in this environment"
     return None
+
+
+# ---------------------------------------------------------------------------------------------- page helpers
+def open_notebook(page, lab: "Lab", name: str) -> None:
+    """Open a notebook of `lab` in `page` and wait until its kernel is idle."""
+    page.goto(f"{lab.url}/lab/tree/{name}?token={TOKEN}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
+        return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+               && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
+
+
+def run_all(page) -> None:
+    """Run ▸ Run All Cells, through the real menu."""
+    import re
+
+    page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
 
 
 def wait_run_all_done(page, timeout_ms: int = 240_000) -> None:

@@ -1,0 +1,115 @@
+"""`calibrate()`: measure this machine's ``cpu`` profile with microbenchmarks at a model's shapes (about a minute).
+
+What is measured (medians of repeated timings; nothing here looks at the validation workloads):
+
+1. **memory bandwidth**: a 256 MiB copy, bytes read + written per second; the swap path's rate (``index_select`` +
+   ``index_copy_`` of whole blocks, as `cbnb.runner.kv.KVStore` copies them) as the host<->device bandwidth;
+2. **GEMM FLOP/s by rows**: the shape's seven decoder projections at 1 .. 512 rows, cycling through as many distinct
+   layers' weights as fit in 512 MiB so that weights stream from memory as in a forward, minus one dispatch per call;
+3. **attention FLOP/s by query rows**: `scaled_dot_product_attention` at the shape's heads, causal chunks of 16 .. 512
+   rows and single decode rows over 512 keys, minus one call's dispatch; and the CPU runner's batched decode path
+   (its page gather and masked attention) as a bandwidth over the bytes the cost model counts for it;
+4. **elementwise rate by rows**: one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1 .. 512 rows,
+   the L2 cache flushed before each run as a layer's weights flush it in a forward;
+5. **fixed costs**: `cbnb.Engine` (its runner, paged attention, sampler, core and telemetry) serving two tiny random
+   models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1, 8 and 16
+   decode rows: the per-step overhead, per decoder layer, per attention call and per request, by least squares;
+6. **per-kernel dispatch**: one small tensor op.
+
+With torch absent, a rough profile comes from NumPy (bandwidth, GEMMs, one op's cost); the fixed costs are then
+estimated from the op cost and kernel counts, and the profile's notes say so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+from .profiles import HardwareProfile
+from .shapes import load_shape
+
+__all__ = ["calibrate"]
+
+_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_ATT_ROWS = (16, 64, 256, 512)
+
+
+def _median_time(fn: Callable[[], Any], reps: int, min_s: float = 0.0) -> float:
+    fn()  # warm-up
+    ts = []
+    while len(ts) < reps or sum(ts) < min_s:
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if len(ts) >= 50 * reps:
+            break
+    return statistics.median(ts)
+
+
+def _available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a cbnb dependency
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str = "cpu", threads: int | None = None,
+              save: bool | str = True, quick: bool = False, budget_s: float = 60.0,
+              verbose: bool = False) -> HardwareProfile:
+    """Measure this CPU as a `HardwareProfile` (see the module docstring for what and how).
+
+    Args:
+        shape: the model shape whose GEMM and attention sizes are measured (a name or anything `load_shape` takes).
+        dtype: "float32" (cbnb's CPU dtype) or "bfloat16".
+        name: the profile's name ("cpu" is what `load_profile("cpu")` reads).
+        threads: torch intra-op threads while measuring (default: torch's current setting, as the engine runs).
+        save: True: save to `profile_cache_dir()/<name>.json`; a path: save there; False: do not save.
+        quick: fewer repetitions and rows (for tests; a few seconds, less precise).
+        budget_s: time budget (seconds); the GEMM rounds stop early past half of it. For smollm2-135m it took 27 s
+            on the 2-core development machine (1 thread, while other jobs loaded it).
+        verbose: print each measurement.
+
+    Returns:
+        The profile (saved unless `save` is False).
+    """
+    t_start = time.perf_counter()
+    s = load_shape(shape, dtype=dtype)
+    log = print if verbose else (lambda *a, **k: None)
+    try:
+        from . import _calibrate_torch as impl
+    except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
+        from . import _calibrate_numpy as impl  # type: ignore[no-redef]
+    figures = impl.measure(s, threads=threads, quick=quick, log=log, budget_s=budget_s)
+    if figures.get("noisy"):
+        warnings.warn("calibrate(): step times fell with more layers or more rows; the machine was too busy for "
+                      "reliable figures (retry when it is idle, or with threads=1)", RuntimeWarning, stacklevel=2)
+    mem = _available_memory()
+    profile = HardwareProfile(
+        name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
+        peak_flops={s.dtype: max(r for _, r in figures["gemm"])},
+        memory_bandwidth=figures["bandwidth"], host_device_bandwidth=figures["swap_bandwidth"],
+        step_overhead_s=figures["step_s"], step_overhead_graph_s=figures["step_s"],
+        kernel_launch_s=figures["op_s"], layer_overhead_s=figures["layer_s"], attention_call_s=figures["call_s"],
+        request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
+        attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
+        gather_bandwidth=figures.get("gather"),
+        sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
+        notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
+               f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
+               + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")
+               + ("; NOISY: step times fell with more layers or rows (machine busy)" if figures.get("noisy") else "")),
+    )
+    if save:
+        path = profile.save(None if save is True else save)
+        log(f"saved {path}")
+    return profile
+
+
+def _positive(x: float, floor: float) -> float:
+    return x if math.isfinite(x) and x > floor else floor
