@@ -8,6 +8,7 @@ import pytest
 from cbnb import traffic as tr
 from cbnb.config import ContinuousBatchingConfig
 from cbnb.metrics import SLO
+from cbnb.requests import RequestState
 from cbnb.sim import SimEngine, load_shape
 from cbnb.sim.heatmap import heatmap, heatmap_grid
 from cbnb.tuning import best, run_workload, sweep
@@ -248,3 +249,24 @@ def test_a_simulations_story_and_the_controls_panel_without_step_mode():
         assert panel.step() is False and not panel.stepping
     finally:
         panel.close()
+
+
+def test_the_submit_panels_workload_button_runs_on_a_simulation_and_starts_a_run_segment():
+    """The dashboard's workload button on a `SimEngine`: `reset_stats(label, cause=...)` as on `Engine` (a
+    `RunStarted` marker the plots segment at), then every request submitted and finished in simulated time."""
+    from cbnb.ui.submit import SubmitPanel
+
+    sim = small_sim()
+    panel = SubmitPanel(sim)
+    try:
+        handles = panel.run_workload("cpu-32", 0.25)
+        assert panel.message_kind == "ok" and panel.message.startswith("Submitted workload cpu-32"), panel.message
+        marks = sim.events.events("run_started")
+        assert [(m.cause, m.label) for m in marks] == [("workload", "workload cpu-32 (scale 0.25)")]
+        sim.run()
+        ended = {o.request_id: o.state for o in sim.outputs()}
+        assert handles and all(ended[h.request_id] == RequestState.FINISHED for h in handles)
+    finally:
+        panel.close()
+    sim.reset_stats(marker=False)
+    assert len(sim.events.events("run_started")) == 1 and sim.stats()["run"]["steps"] == 0

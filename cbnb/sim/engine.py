@@ -537,10 +537,18 @@ class SimEngine:
                 "num_blocks": self.config.num_blocks, "profile": self.profile.name, "shape": self.shape.name,
                 "arrivals_pending": loop.num_arrivals}
 
-    def reset_stats(self) -> None:
-        """Start a new run for `stats()["run"]` (the cumulative figures keep counting)."""
+    def reset_stats(self, label: str = "", *, cause: str = "reset_stats", marker: bool = True) -> None:
+        """Start a new run for `stats()["run"]` (the cumulative figures keep counting), as `Engine.reset_stats`.
+
+        Args:
+            label: what the new run is (shown by the live plots at the run's marker).
+            cause: the marker's cause ("reset_stats", "workload", "reconfigure").
+            marker: record a `RunStarted` event (the plots start a new segment there).
+        """
         with self._lock:
             self.recorder.reset_run()
+        if marker:
+            self.recorder.mark_run(cause, label)
 
     def memory_split(self) -> dict[str, int]:
         """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool (as `Engine.memory_split`)."""

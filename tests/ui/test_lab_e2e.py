@@ -217,7 +217,7 @@ def test_stream_token_hover_shows_logprobs(session):
                    && /alternatives:/.test(t.textContent); }""", timeout=15_000)
         session.shot(f"06-logprob-hover-{name}.png")
     page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
-    page.set_viewport_size({"width": 1400, "height": 1800})
+    page.set_viewport_size({"width": 1440, "height": 900})  # the session's size, for the screenshots after this
     out = ast.literal_eval(session.py(
         f"[(lp.token_id, round(lp.logprob, 4)) for lp in [r for r in engine.requests_snapshot() "
         f"if r.request_id == '{rid}'][0].logprobs[1:2]]"))
