@@ -218,16 +218,23 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    """SmolLM2's real tokenizer, read from the converted-model cache (skipped when the model was never converted).
-    With a tiny model, ids < 512 are byte-level pieces and specials: real incremental decoding on a tiny model."""
-    from cbnb.models import _cache_ready, model_cache_dir
+    """SmolLM2's real tokenizer, read from the converted-model cache. With a tiny model, ids < 512 are byte-level
+    pieces and specials: real incremental decoding on a tiny model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(converted_smollm2()))
+
+
+def converted_smollm2():
+    """The converted bundled SmolLM2's cache folder, converting it first if needed (once per machine: later tests and
+    the notebooks load it anyway)."""
+    from cbnb.models import _cache_ready, load_model, model_cache_dir
 
     path = model_cache_dir() / "smollm2-135m"
     if not _cache_ready(path):
-        pytest.skip("smollm2-135m is not converted yet (run cbnb.load_model('smollm2-135m') once)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+        load_model("smollm2-135m")
+    assert _cache_ready(path), path
+    return path
 
 
 @pytest.fixture(scope="module")

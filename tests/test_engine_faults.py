@@ -15,8 +15,8 @@ from cbnb.engine import EngineStoppedError
 from cbnb.requests import RequestState
 
 from helpers_engine import (  # noqa: F401 (llama, one_torch_thread: fixtures)
-    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, llama,
-    one_torch_thread, oracle_for, random_prompts, results, submit_together, tiny_model,
+    STD_NEW, STD_PROMPTS, TIMEOUT, StepRecorder, assert_cache_empty, assert_no_blocks, config, converted_smollm2,
+    llama, one_torch_thread, oracle_for, random_prompts, results, submit_together, tiny_model,
 )
 
 
@@ -47,12 +47,9 @@ def test_empty_prompt_rejected(llama):
 
 
 def test_empty_text_prompt_rejected_with_tokenizer(llama):
-    from cbnb.models import _cache_ready, model_cache_dir
-
-    path = model_cache_dir() / "smollm2-135m"
-    if not _cache_ready(path):
-        pytest.skip("smollm2-135m is not converted yet")
     from transformers import AutoTokenizer
+
+    path = converted_smollm2()
 
     engine = cbnb.Engine(llama[0], tokenizer=AutoTokenizer.from_pretrained(str(path)), config=config(page_size=16))
     with engine:

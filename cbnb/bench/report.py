@@ -59,7 +59,9 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append("WARNING: a peer ran faster than the floor: every probe of this run was slowed down "
                          "(contention), so the floor and the shares are not meaningful; the ratios still are")
     first = report["peers"][0]
-    head = (f"{'peer':<22}{'out tok/s':>24}{first + ' / peer':>24}{'roofline share':>22}{'peak MiB':>10}"
+    nw = max(22, 2 + max(len(n) for n in report["peers"]))  # variant names can be long
+    rw = max(24, 2 + len(first + " / peer"))
+    head = (f"{'peer':<{nw}}{'out tok/s':>24}{first + ' / peer':>{rw}}{'roofline share':>22}{'peak MiB':>10}"
             f"{'same tokens':>13}{'lone TTFT s':>20}{'sample ms/step':>22}  errors")
     lines.append(head)
     for name in report["peers"]:
@@ -67,8 +69,8 @@ def format_report(report: dict[str, Any]) -> str:
         agree = s["greedy_agreement_min"]
         share = _rng(s["roofline_share"], lambda x: f"{100 * x:.0f}%")
         lines.append(
-            f"{name:<22}{_rng(s['tok_per_s'], lambda x: f'{x:.1f}'):>24}"
-            f"{_rng(s['first_over_this'], lambda x: f'{x:.2f}x'):>24}{share:>22}"
+            f"{name:<{nw}}{_rng(s['tok_per_s'], lambda x: f'{x:.1f}'):>24}"
+            f"{_rng(s['first_over_this'], lambda x: f'{x:.2f}x'):>{rw}}{share:>22}"
             f"{s['peak_bytes_max'] / 2**20:>10.0f}{'-' if agree is None else f'{100 * agree:.0f}%':>13}"
             f"{_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>20}"
             f"{_rng(s.get('sample_ms_per_step') or {}, lambda x: f'{x:.2f}'):>22}  {'; '.join(sorted(set(s['errors'])))}")
@@ -77,7 +79,7 @@ def format_report(report: dict[str, Any]) -> str:
         for path, st in comp.items():
             if st:
                 lines.append(f"{name} compiled {path} forward: {st['compiles']} compile(s), {st['compile_s']:.1f} s "
-                             f"(once per process, in the warm-up){'; FAILED: ' + st['failed'] if st['failed'] else ''}")
+                             f"(in this process; a shape first seen after the warm-up compiles inside that round's timing){'; FAILED: ' + st['failed'] if st['failed'] else ''}")
     lines.append("per round (out tok/s, in run order):")
     for rnd in report["rounds"]:
         res = rnd["results"]

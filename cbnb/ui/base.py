@@ -25,7 +25,7 @@ import traitlets
 from . import _assets
 from .poller import Frame, Poller
 
-__all__ = ["Panel"]
+__all__ = ["Panel", "RequestPanel"]
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +147,31 @@ def _differs(old: Any, new: Any) -> bool:
         return bool(old != new)
     except Exception:  # e.g. numpy arrays: compare by identity
         return old is not new
+
+
+class RequestPanel(Panel):
+    """A panel listing requests (the board, the token stream): each can be cancelled from the page, and the
+    dashboard's selected request is marked (`selected`, "" for none)."""
+
+    selected = traitlets.Unicode("").tag(sync=True)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel one request (as `engine.cancel`; a CANCELLED output follows); the result is shown on the panel.
+        Returns False when the request is unknown or has already ended."""
+        ok = bool(self.engine.cancel(request_id))
+        self.show(f"Cancel requested for {request_id}." if ok else
+                  f"{request_id} has already ended (or is unknown): nothing to cancel.", "ok" if ok else "info")
+        self.poller.poke()
+        return ok
+
+    def _on_cancel(self, msg: dict) -> None:
+        rid = msg.get("id")
+        if not isinstance(rid, str) or not rid:
+            self.show("cancel: no request id given", "error")
+            return
+        self.cancel(rid)
+
+    def on_selection(self, what: str, request_id: str | None) -> None:
+        """`Selection` listener: mark the selected request."""
+        if what == "select":
+            self.selected = request_id or ""

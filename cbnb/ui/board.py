@@ -8,14 +8,14 @@ from typing import Any
 import traitlets
 
 from . import _assets
-from .base import Panel
+from .base import RequestPanel
 from .poller import Frame
 from .state import BOARD_COLUMNS, prompt_label, request_rows
 
 __all__ = ["RequestBoardPanel"]
 
 
-class RequestBoardPanel(Panel):
+class RequestBoardPanel(RequestPanel):
     """A table of every request the engine holds plus the most recently ended ones.
 
     Args:
@@ -38,7 +38,6 @@ class RequestBoardPanel(Panel):
     counts = traitlets.Dict().tag(sync=True)
     hidden = traitlets.Int(0).tag(sync=True)
     engine_state = traitlets.Unicode("").tag(sync=True)
-    selected = traitlets.Unicode("").tag(sync=True)  # the dashboard's selected request ("" for none)
 
     def __init__(self, engine: Any, *, max_finished: int = 64, **kwargs: Any) -> None:
         self._max_finished = max_finished
@@ -64,14 +63,6 @@ class RequestBoardPanel(Panel):
         return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": frame.engine_state}
 
     # ------------------------------------------------------------------------------------------ actions
-    def cancel(self, request_id: str) -> bool:
-        """Cancel one request (as `engine.cancel`); the result is shown on the panel."""
-        ok = bool(self.engine.cancel(request_id))
-        self.show(f"Cancel requested for {request_id}." if ok else
-                  f"{request_id} has already ended (or is unknown): nothing to cancel.", "ok" if ok else "info")
-        self.poller.poke()
-        return ok
-
     def cancel_all(self) -> int:
         """Cancel every unfinished request (`engine.cancel_all`). Returns how many."""
         n = int(self.engine.cancel_all())
@@ -80,17 +71,6 @@ class RequestBoardPanel(Panel):
         self.poller.poke()
         return n
 
-    def _on_cancel(self, msg: dict) -> None:
-        rid = msg.get("id")
-        if not isinstance(rid, str) or not rid:
-            self.show("cancel: no request id given", "error")
-            return
-        self.cancel(rid)
-
     def _on_cancel_all(self, _msg: dict) -> None:
         self.cancel_all()
 
-    def on_selection(self, what: str, request_id: str | None) -> None:
-        """`Selection` listener: mark the selected request."""
-        if what == "select":
-            self.selected = request_id or ""
