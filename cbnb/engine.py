@@ -306,8 +306,8 @@ class Engine(StepMode):
         Args:
             prompt: text, chat messages, token ids or a tokenizer output (see `encode`).
             max_new_tokens: tokens to generate at most; None: up to the model's max positions.
-            do_sample, temperature, top_k, top_p, min_p, seed: sampling (greedy by default; a temperature below
-                1e-5 is greedy).
+            do_sample, temperature, top_k, top_p, min_p, seed: sampling (greedy by default; a temperature of 0
+                or below 1e-5 is greedy; top_k=0 is no top-k).
             eos_token_id: stop id(s); None: the generation config's, else the model's EOS.
             request_id: a unique id (default: "req-N").
             ignore_eos: never stop on EOS (benchmarks).
@@ -379,6 +379,13 @@ class Engine(StepMode):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outs.append(h.result(left))
             return outs
+        except TimeoutError:
+            done = sum(h.done() for h in handles)
+            for h in handles:
+                h.cancel()
+            hint = " The engine is paused: engine.resume() or engine.step() lets it go on." if self.paused else ""
+            raise TimeoutError(f"generate: {len(handles) - done} of {len(handles)} requests not finished after "
+                               f"{timeout:g} s; they are cancelled.{hint}") from None
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -429,7 +436,7 @@ class Engine(StepMode):
         return self.config
 
     # ------------------------------------------------------------------------------------------ stories
-    def explain(self, request_id: str) -> "RequestStory":
+    def explain(self, request_id: "str | RequestHandle") -> "RequestStory":
         """Why a request waited, and everything else that happened to it, from the event log (`cbnb.explain`):
         arrival, each step it was left out with the reason and the numbers that decided it (and the config field
         that would change that), its prompt chunks, prefix hits, offloads and restores, and its end.
@@ -439,9 +446,11 @@ class Engine(StepMode):
 
         Raises:
             KeyError: no event of `request_id` is in the log (unknown id, telemetry off, or dropped from the log).
+            TypeError: `request_id` is neither an id nor a handle/output (a `RequestHandle` is taken as its id).
         """
-        from .explain import explain_request
+        from .explain import explain_request, request_id_of
 
+        request_id = request_id_of(request_id)
         live = next((o for o in self.requests_snapshot() if o.request_id == request_id), None)
         return explain_request(self.events, request_id, config=self.config, now=live)
 
@@ -490,10 +499,14 @@ class Engine(StepMode):
             return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def requests_snapshot(self) -> list[RequestOutput]:
-        """Live requests (arrival order) followed by the most recently ended ones (up to 256, with their text)."""
+        """Live requests (arrival order; submitted ones the loop has not taken yet are PENDING), followed by the most
+        recently ended ones (up to 256, with their text)."""
+        queued = self._loop.inbox.untaken()  # read first: one taken meanwhile is then in `live` (deduplicated)
         with self._loop.lock:
             live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
             ended = list(self._loop.recent)
+        seen = {r.request_id for r in live} | {r.request_id for r in ended}
+        live += [r for r in queued if r.request_id not in seen]
         for r in ended:  # decoded once, here on the caller's side (the engine thread decodes only stop strings)
             if r.output_ids:
                 r.decode_text(self.tokenizer)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["REASONS", "ReasonInfo", "StoryEntry", "RequestStory", "StoryBuilder", "explain_request", "reason_numbers"]
+__all__ = ["REASONS", "ReasonInfo", "StoryEntry", "RequestStory", "StoryBuilder", "explain_request", "reason_numbers",
+           "request_id_of"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,20 @@ class RequestStory:
 
 
 # ---------------------------------------------------------------------------------------------- building
+def request_id_of(request: Any) -> str:
+    """The id of `request`: a request id (str), or anything with a ``request_id`` (a `RequestHandle`, a
+    `RequestOutput`).
+
+    Raises:
+        TypeError: neither.
+    """
+    rid = getattr(request, "request_id", request)
+    if not isinstance(rid, str):
+        raise TypeError(f"request must be a request id (str) or a handle/output with .request_id; got "
+                        f"{type(request).__name__}")
+    return rid
+
+
 def explain_request(events: Any, request_id: str, *, config: Any = None, now: Any = None) -> RequestStory:
     """Build the story of `request_id`.
 
@@ -190,6 +205,17 @@ def explain_request(events: Any, request_id: str, *, config: Any = None, now: An
         raise KeyError(f"no event of request {request_id!r} in the log (unknown id, telemetry off, or dropped from "
                        "the log's bound)")
     return b.story(now)
+
+
+_STEP_KINDS = ("waiting", "prefill", "decode")
+_POINT_KINDS = ("prefix_hit", "offload", "restore", "warning")
+
+
+def _planned_after(prev: StoryEntry, entry: StoryEntry) -> bool:
+    """True when the step entry `prev` belongs after the one-event `entry`."""
+    if prev.kind not in _STEP_KINDS:
+        return False
+    return prev.step > entry.step or (entry.kind == "prefix_hit" and prev.kind == "prefill" and prev.step == entry.step)
 
 
 class StoryBuilder:
@@ -215,7 +241,14 @@ class StoryBuilder:
 
     # --------------------------------------------------------------------------------------- helpers
     def _add(self, entry: StoryEntry) -> None:
-        self.entries.append(entry)
+        """Append `entry`, in step order: with async batching the next step is planned before the previous one's
+        events (a prefix hit, an offload) reach the log, so a one-event entry goes before the step entries planned
+        after it, and a prefix hit before its own step's prefill."""
+        i = len(self.entries)
+        if entry.kind in _POINT_KINDS:
+            while i > 0 and _planned_after(self.entries[i - 1], entry):
+                i -= 1
+        self.entries.insert(i, entry)
 
     def _merge(self, kind: str, step: int, numbers: dict[str, Any], reason: str | None = None) -> StoryEntry | None:
         """Extend the last entry when it is the same kind (and reason) and ended at the previous step."""

@@ -150,7 +150,7 @@ class RequestHandle:
                 self.cancel()
                 raise
             if not finished:
-                raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s")
+                raise TimeoutError(f"request {self.request_id!r} not finished after {timeout:.3g} s (it goes on)")
             self._done.release()  # let every other waiter through too
         return self._output()
 

@@ -131,6 +131,14 @@ class Inbox:
             self.wakeup.set()
         return out
 
+    def untaken(self, limit: int = 256) -> list[Any]:
+        """A copy of the oldest `limit` submissions the loop has not taken yet, without those already cancelled
+        (any thread: what a snapshot shows as PENDING before the loop's next turn)."""
+        with self._lock:
+            out = [x for _, x in zip(range(limit), self._submissions)]
+            cancels = set(self._cancels)
+        return [x for x in out if getattr(x, "request_id", None) not in cancels]
+
     def take_cancels(self) -> set[str]:
         with self._lock:
             out, self._cancels = self._cancels, set()

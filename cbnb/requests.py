@@ -57,6 +57,12 @@ class RequestState(enum.IntEnum):
     FAILED = 4
     CANCELLED = 5
 
+    def __str__(self) -> str:  # "CANCELLED", not IntEnum's "5", in prints and f-strings
+        return self.name
+
+    def __format__(self, spec: str) -> str:  # f"{state:>10}" too (IntEnum formats as the number)
+        return format(self.name, spec)
+
     @property
     def is_terminal(self) -> bool:
         return self >= RequestState.FINISHED

@@ -167,8 +167,9 @@ class SamplingParams:
     Attributes:
         max_new_tokens: tokens to generate at most (>= 1), or None: bounded by the model's max positions.
         do_sample: False -> greedy (argmax of the processed logits); True -> sample (see `greedy`).
-        temperature: > 0; applied before top-k/top-p/min-p when sampling; below `GREEDY_TEMPERATURE` means greedy.
-        top_k: keep the k most likely tokens (>= 1), or None for no top-k.
+        temperature: >= 0; applied before top-k/top-p/min-p when sampling; below `GREEDY_TEMPERATURE` (0 included)
+            means greedy.
+        top_k: keep the k most likely tokens (>= 1), or 0 / None for no top-k (0 is stored as None).
         top_p: nucleus mass in (0, 1], or None for no top-p.
         min_p: in [0, 1], or None: keep tokens with probability >= min_p * the top token's.
         seed: per-request RNG seed (an int), or None for the engine's RNG.
@@ -220,10 +221,13 @@ class SamplingParams:
         if not isinstance(self.do_sample, bool):
             _fail("do_sample", "True or False", self.do_sample)
         t = self.temperature
-        if not _num(t) or not (t > 0) or t == math.inf:
-            _fail("temperature", "a finite number > 0", t)
+        if not _num(t) or not (t >= 0) or t == math.inf:
+            _fail("temperature", "a finite number >= 0 (below 1e-5, 0 included: greedy)", t)
         if self.top_k is not None:
-            _int("top_k", self.top_k, 1)
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+                _fail("top_k", "an integer >= 0 (0 or None: no top-k)", self.top_k)
+            if self.top_k == 0:
+                put(self, "top_k", None)
         p = self.top_p
         if p is not None and (not _num(p) or not (0 < p <= 1)):
             _fail("top_p", "a number in (0, 1] or None", p)

@@ -369,8 +369,12 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
     if tied:
         others = "; ".join(f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied)
-        text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} overlaps "
-                f"{others} (median [min-max] over {runs_txt}).")
+        if ns[-1] < 2 and all(_simulated(r) for g in groups for r in g):  # no noise: the figures are equal
+            text = (f"Exact tie on {label} (a deterministic simulation, one run per point): {top[0]} "
+                    f"{_rng(top[1], top[2], top[3], digits)} equals {others}.")
+        else:
+            text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} "
+                    f"overlaps {others} (median [min-max] over {runs_txt}).")
         return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text)
     second = have[1] if len(have) > 1 else None
     note = ""

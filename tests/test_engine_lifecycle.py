@@ -217,15 +217,36 @@ def test_timeout_in_generate_cancels_its_requests_but_a_result_timeout_does_not(
     with engine:
         h = engine.submit(STD_PROMPTS[0], max_new_tokens=5, eos_token_id=-1)
         assert running.wait(TIMEOUT)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match=r"not finished after 0.05 s \(it goes on\)"):
             h.result(timeout=0.05)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match=r"generate: 2 of 2 requests not finished after 0.05 s; they are "
+                                               r"cancelled\.$"):
             engine.generate(STD_PROMPTS[1:3], max_new_tokens=100, eos_token_id=-1, timeout=0.05)
         gate.set()
         outs = _outputs_for(engine, STD_PROMPTS[1:3])
         assert [o.state for o in outs] == [RequestState.CANCELLED] * 2
         out = h.result(timeout=TIMEOUT)
     assert out.state == RequestState.FINISHED and out.token_ids == oracle(STD_PROMPTS[0], 5)
+
+
+def test_a_submission_the_loop_has_not_taken_yet_is_listed_pending(llama):
+    """While the loop is busy in a step, a new submission waits in the inbox: `requests_snapshot()` already lists it
+    as PENDING (once, also after the loop takes it), and not once it is cancelled."""
+    model, _ = llama
+    engine = cbnb.Engine(model, config=config(page_size=16))
+    gate, running = _hold_steps_of(engine, STD_PROMPTS[:1])
+    with engine:
+        h0 = engine.submit(STD_PROMPTS[0], max_new_tokens=3, eos_token_id=-1)
+        assert running.wait(TIMEOUT)
+        a = engine.submit(STD_PROMPTS[1], max_new_tokens=3, eos_token_id=-1)
+        b = engine.submit(STD_PROMPTS[2], max_new_tokens=3, eos_token_id=-1)
+        assert b.cancel()
+        snap = {r.request_id: r.state for r in engine.requests_snapshot()}
+        assert snap[a.request_id] == RequestState.PENDING and b.request_id not in snap
+        gate.set()
+        assert a.result(TIMEOUT).state == RequestState.FINISHED and h0.result(TIMEOUT).finished
+        ids = [r.request_id for r in engine.requests_snapshot()]
+        assert ids.count(a.request_id) == 1
 
 
 def test_cancel_all(llama):

@@ -53,6 +53,26 @@ def test_waiting_chunks_decodes_and_the_end_in_order():
     assert json.loads(json.dumps(d))["entries"][1]["span"] == wait.span() and d["entries"][1]["steps"]
     with pytest.raises(KeyError, match="no event of request 'nope'"):
         eng.explain("nope")
+    assert eng.explain(hs[1]).to_dict() == story.to_dict()  # a handle stands for its id
+    with pytest.raises(TypeError, match="request id"):
+        eng.explain(5)
+
+
+def test_async_story_is_in_step_order():
+    """With async batching the next step is planned before the previous step's prefix hit reaches the log: the
+    story still lists the hit before the prompt's prefill, and the decode steps as one run."""
+    from cbnb.sim import SimEngine
+
+    sim = SimEngine("llama-3.1-8b", "h100-sxm", cbnb.ContinuousBatchingConfig(page_size=16))
+    assert sim.async_batching
+    sim.submit([7] * 300, 64).result()
+    h = sim.submit([7] * 100, 16)
+    h.result()
+    story = sim.explain(h)
+    kinds = [e.kind for e in story.entries]
+    assert kinds.index("prefix_hit") < kinds.index("prefill") and kinds.count("decode") == 1, story.text()
+    firsts = [e.step for e in story.entries if e.kind != "end"]
+    assert firsts == sorted(firsts), story.text()
 
 
 def test_soft_reset_then_recompute_is_told_with_its_numbers():

@@ -148,7 +148,7 @@ def test_engine_refuses_and_goes_on(engine, form):
 
 @pytest.mark.parametrize("field, value", [
     ("eos_token_id", "x"), ("eos_token_id", [2, "x"]), ("eos_token_id", 2.5), ("eos_token_id", True),
-    ("max_new_tokens", 0), ("max_new_tokens", "5"), ("max_new_tokens", True), ("temperature", 0),
+    ("max_new_tokens", 0), ("max_new_tokens", "5"), ("max_new_tokens", True), ("temperature", -0.5),
     ("temperature", "hot"), ("top_k", -1), ("top_p", 1.5), ("top_p", "x"), ("seed", 1.5), ("do_sample", "yes"),
     ("ignore_eos", "no"), ("chat", 1), ("request_id", ""), ("request_id", 7),
 ])

@@ -174,10 +174,10 @@ def test_token_accounting_with_in_flight_samples() -> None:
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": 1.5}, "max_new_tokens"),
-        ({"temperature": 0}, "temperature"),
+        ({"temperature": -1}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -1}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": "x"}, "seed"),
@@ -187,6 +187,16 @@ def test_token_accounting_with_in_flight_samples() -> None:
 def test_sampling_params_validation(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         SamplingParams(**kwargs)
+
+
+def test_temperature_zero_is_greedy_and_top_k_zero_is_none() -> None:
+    """OpenAI's and vLLM's `temperature=0` means greedy, with or without do_sample; top_k=0 means no top-k."""
+    for do_sample in (False, True):
+        p = SamplingParams(do_sample=do_sample, temperature=0)
+        assert p.greedy and p.describe()[0].startswith("greedy")
+    assert SamplingParams(do_sample=True, top_k=0).top_k is None
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 0 \(0 or None: no top-k\); got -3"):
+        SamplingParams(top_k=-3)
 
 
 def test_sampling_params_eos_forms() -> None:
@@ -207,3 +217,8 @@ def test_output_snapshot_is_independent() -> None:
     r.prompt_ids.append(99)
     assert out.token_ids == [5] and out.prompt_token_ids == [1, 2] and out.state == S.DECODING
     assert out.timings is not r.timings
+
+
+def test_states_print_by_name() -> None:
+    assert str(RequestState.CANCELLED) == f"{RequestState.CANCELLED}" == "CANCELLED"
+    assert f"{RequestState.FINISHED:>9}" == " FINISHED" and RequestState.FINISHED == 3

@@ -212,6 +212,7 @@ def test_best_calls_points_with_equal_simulated_figures_a_tie():
     assert a == pytest.approx(b, rel=1e-12)
     v = best(res, "goodput_requests_per_s")
     assert v.tie and v.winner is None and v.tied_with
+    assert v.text.startswith("Exact tie on goodput") and "deterministic simulation" in v.text, v.text
 
 
 def test_an_unsorted_trace_is_driven_in_arrival_order_and_direct_out_of_order_submits_are_refused(tmp_path):

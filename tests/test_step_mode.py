@@ -79,6 +79,8 @@ def test_paused_loop_admits_cancels_and_reconfigures(engine):
     first = engine.step(timeout=TIMEOUT)
     assert first is not None
     assert b.cancel() and b.result(TIMEOUT).state.name == "CANCELLED"  # cancel wins while paused
+    with pytest.raises(TimeoutError, match=r"1 of 1 requests .* The engine is paused: engine.resume\(\)"):
+        engine.generate([[9, 10, 11]], max_new_tokens=2, timeout=0.05)  # a paused engine says why it waits
     engine.reconfigure(engine.config.copy(max_batch_tokens=32), timeout=TIMEOUT)
     assert engine.paused and engine.config.max_batch_tokens == 32
     cursor = engine.events.cursor

@@ -561,14 +561,16 @@ class SimEngine:
         with self._lock:
             return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
-    def explain(self, request_id: str) -> Any:
+    def explain(self, request_id: Any) -> Any:
         """A request's story from the event log, as `Engine.explain` (`cbnb.explain.explain_request`).
 
         Raises:
             KeyError: no event of `request_id` is in the log.
+            TypeError: `request_id` is neither an id nor a handle/output (a handle is taken as its id).
         """
-        from ..explain import explain_request
+        from ..explain import explain_request, request_id_of
 
+        request_id = request_id_of(request_id)
         live = next((o for o in self.requests_snapshot() if o.request_id == request_id), None)
         return explain_request(self.events, request_id, config=self.config, now=live)
 
