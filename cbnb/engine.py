@@ -379,16 +379,14 @@ class Engine(StepMode):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outs.append(h.result(left))
             return outs
-        except TimeoutError:
+        except BaseException as e:
             done = sum(h.done() for h in handles)
             for h in handles:
                 h.cancel()
-            hint = " The engine is paused: engine.resume() or engine.step() lets it go on." if self.paused else ""
-            raise TimeoutError(f"generate: {len(handles) - done} of {len(handles)} requests not finished after "
-                               f"{timeout:g} s; they are cancelled.{hint}") from None
-        except BaseException:
-            for h in handles:
-                h.cancel()
+            if isinstance(e, TimeoutError):
+                hint = " The engine is paused: engine.resume() or engine.step() lets it go on." if self.paused else ""
+                raise TimeoutError(f"generate: {len(handles) - done} of {len(handles)} requests not finished after "
+                                   f"{timeout:g} s; they are cancelled.{hint}") from None
             raise
 
     def cancel(self, request_id: str) -> bool:
@@ -448,11 +446,9 @@ class Engine(StepMode):
             KeyError: no event of `request_id` is in the log (unknown id, telemetry off, or dropped from the log).
             TypeError: `request_id` is neither an id nor a handle/output (a `RequestHandle` is taken as its id).
         """
-        from .explain import explain_request, request_id_of
+        from .explain import explain_engine_request
 
-        request_id = request_id_of(request_id)
-        live = next((o for o in self.requests_snapshot() if o.request_id == request_id), None)
-        return explain_request(self.events, request_id, config=self.config, now=live)
+        return explain_engine_request(self, request_id)
 
     # ------------------------------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

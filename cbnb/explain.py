@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["REASONS", "ReasonInfo", "StoryEntry", "RequestStory", "StoryBuilder", "explain_request", "reason_numbers",
-           "request_id_of"]
+__all__ = ["REASONS", "ReasonInfo", "StoryEntry", "RequestStory", "StoryBuilder", "explain_request",
+           "explain_engine_request", "reason_numbers", "request_id_of"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,18 @@ def _planned_after(prev: StoryEntry, entry: StoryEntry) -> bool:
     if prev.kind not in _STEP_KINDS:
         return False
     return prev.step > entry.step or (entry.kind == "prefix_hit" and prev.kind == "prefill" and prev.step == entry.step)
+
+
+def explain_engine_request(engine: Any, request: Any) -> RequestStory:
+    """`explain_request` on an engine (`Engine` or `SimEngine`): its event log and resolved config, with the request's
+    live output when it is still listed. `request`: an id, or a handle/output (`request_id_of`).
+
+    Raises:
+        KeyError: no event of the request is in the log; TypeError: `request` is neither an id nor a handle.
+    """
+    rid = request_id_of(request)
+    live = next((o for o in engine.requests_snapshot() if o.request_id == rid), None)
+    return explain_request(engine.events, rid, config=engine.config, now=live)
 
 
 class StoryBuilder:

@@ -157,11 +157,10 @@ class GenerationDefaults:
 
     def resolve(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """SamplingParams keyword arguments: each of `args` (request arguments, SamplingParams names) that is not
-        None, else the config's default. Neutral values turn a processor off: ``top_k=0`` means no top-k."""
+        None, else the config's default. Neutral values turn a processor off (``top_k=0`` means no top-k:
+        `SamplingParams` stores it as None)."""
         out = dict(self.values)
         for k, v in args.items():
             if v is not None:
                 out[k] = v
-        if out.get("top_k") == 0:
-            out["top_k"] = None
         return out

@@ -18,6 +18,7 @@ output). `close()` (the loop's last act) refuses everything and hands back the s
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -135,7 +136,7 @@ class Inbox:
         """A copy of the oldest `limit` submissions the loop has not taken yet, without those already cancelled
         (any thread: what a snapshot shows as PENDING before the loop's next turn)."""
         with self._lock:
-            out = [x for _, x in zip(range(limit), self._submissions)]
+            out = list(itertools.islice(self._submissions, limit))
             cancels = set(self._cancels)
         return [x for x in out if getattr(x, "request_id", None) not in cancels]
 

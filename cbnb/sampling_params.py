@@ -58,9 +58,9 @@ def _fail(name: str, allowed: str, v: Any) -> None:
     raise ValueError(f"{name} must be {allowed}; got {v!r}")
 
 
-def _int(name: str, v: Any, lo: int) -> int:
+def _int(name: str, v: Any, lo: int, note: str = "") -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        _fail(name, f"an integer >= {lo}", v)
+        _fail(name, f"an integer >= {lo}" + (f" ({note})" if note else ""), v)
     return int(v)
 
 
@@ -224,9 +224,7 @@ class SamplingParams:
         if not _num(t) or not (t >= 0) or t == math.inf:
             _fail("temperature", "a finite number >= 0 (below 1e-5, 0 included: greedy)", t)
         if self.top_k is not None:
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-                _fail("top_k", "an integer >= 0 (0 or None: no top-k)", self.top_k)
-            if self.top_k == 0:
+            if _int("top_k", self.top_k, 0, "0 or None: no top-k") == 0:
                 put(self, "top_k", None)
         p = self.top_p
         if p is not None and (not _num(p) or not (0 < p <= 1)):

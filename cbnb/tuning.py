@@ -367,9 +367,11 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     tied = [r for r in have[1:] if r[2] <= top[3] + _eps(r[2], top[3]) and top[2] <= r[3] + _eps(top[2], r[3])]
     ns = sorted({r[4] for r in have})
     runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
+    one_run = ns[-1] < 2
+    simulated = one_run and all(_simulated(r) for g in groups for r in g)  # deterministic: no noise to measure
     if tied:
         others = "; ".join(f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied)
-        if ns[-1] < 2 and all(_simulated(r) for g in groups for r in g):  # no noise: the figures are equal
+        if simulated:  # the figures are equal
             text = (f"Exact tie on {label} (a deterministic simulation, one run per point): {top[0]} "
                     f"{_rng(top[1], top[2], top[3], digits)} equals {others}.")
         else:
@@ -378,9 +380,9 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text)
     second = have[1] if len(have) > 1 else None
     note = ""
-    if ns[-1] < 2:
+    if one_run:
         note = (" One run per point of a simulation (deterministic: a repeat gives the same figures); its error "
-                "against a real engine is not in these numbers." if all(_simulated(r) for g in groups for r in g)
+                "against a real engine is not in these numbers." if simulated
                 else " One run per point: the noise was not measured, so treat this as provisional.")
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "

@@ -57,10 +57,9 @@ def test_readme_explains_a_remote_instance():
 @pytest.mark.slow
 def test_api_tour_runs_as_written(monkeypatch):
     # The tour as printed, on the bundled SmolLM2 (converted once and cached), with a shorter story.
-    from cbnb.models import _cache_ready, model_cache_dir
+    from helpers_engine import converted_smollm2
 
-    if not _cache_ready(model_cache_dir() / "smollm2-135m"):
-        pytest.skip("smollm2-135m is not converted yet (run cbnb.load_model('smollm2-135m') once)")
+    converted_smollm2()  # the tour loads it; converted here if no earlier test did
     code = _tour().replace("max_new_tokens=64", "max_new_tokens=8").replace("max_new_tokens=16", "max_new_tokens=4")
     assert "engine.user_config.copy(" in code and "engine.config.copy(" not in code
     assert "\nDashboard(engine)" in code

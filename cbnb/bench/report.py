@@ -78,8 +78,10 @@ def format_report(report: dict[str, Any]) -> str:
         comp = report["summary"][name].get("compile") or {}
         for path, st in comp.items():
             if st:
+                failed = f"; FAILED: {st['failed']}" if st["failed"] else ""
                 lines.append(f"{name} compiled {path} forward: {st['compiles']} compile(s), {st['compile_s']:.1f} s "
-                             f"(in this process; a shape first seen after the warm-up compiles inside that round's timing){'; FAILED: ' + st['failed'] if st['failed'] else ''}")
+                             f"(in this process; a shape first seen after the warm-up compiles inside that round's "
+                             f"timing){failed}")
     lines.append("per round (out tok/s, in run order):")
     for rnd in report["rounds"]:
         res = rnd["results"]

@@ -568,11 +568,9 @@ class SimEngine:
             KeyError: no event of `request_id` is in the log.
             TypeError: `request_id` is neither an id nor a handle/output (a handle is taken as its id).
         """
-        from ..explain import explain_request, request_id_of
+        from ..explain import explain_engine_request
 
-        request_id = request_id_of(request_id)
-        live = next((o for o in self.requests_snapshot() if o.request_id == request_id), None)
-        return explain_request(self.events, request_id, config=self.config, now=live)
+        return explain_engine_request(self, request_id)
 
     def requests_snapshot(self) -> list[RequestOutput]:
         """Live requests (arrival order) followed by the most recently ended ones (up to 256), as `Engine`'s."""
