@@ -172,9 +172,22 @@ def test_a_failing_panel_does_not_stop_the_others(engine):
 
 
 # ---------------------------------------------------------------------------------------------- KV map
-def test_kvmap_snapshots_only_when_visible_and_answers_hover(engine):
+def test_kvmap_is_pushed_whether_or_not_a_view_reported_itself_on_screen(engine):
+    # The visibility report is a browser message, which may wait behind a busy cell: data never waits on it.
     poller = Poller(engine)
     kv = KVPageMapPanel(engine, poller=poller)
+    h = engine.submit(ids(40), max_new_tokens=200, ignore_eos=True)
+    wait_for(lambda: any(o.state.name == "DECODING" for o in engine.requests_snapshot()))
+    for _ in range(2):
+        poller.tick(force=True)
+        assert kv._needs() == {"snapshot"} and not any(kv._views.values())
+    assert kv.groups[0]["counts"]["allocated"] >= 3
+    h.cancel()
+
+
+def test_kvmap_snapshots_only_when_visible_when_asked_and_answers_hover(engine):
+    poller = Poller(engine)
+    kv = KVPageMapPanel(engine, poller=poller, always_snapshot=False)
     assert kv._needs() == {"snapshot"}  # one first snapshot, so a new view has something to show
     h = engine.submit(ids(40), max_new_tokens=200, ignore_eos=True)
     wait_for(lambda: any(o.state.name == "DECODING" for o in engine.requests_snapshot()))

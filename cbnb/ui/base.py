@@ -10,6 +10,10 @@ The front-end records ``Date.now()/1000 - _stamp`` (and the same for `_event_t`)
 ``globalThis.__cbnbLatency``, which the browser tests read to measure update latency.
 
 A panel built alone gets its own `Poller`; `Dashboard` builds its panels with one shared poller instead.
+
+Liveness: the poller also sets `_beat` (`time.time()`) every `Poller.beat_s` seconds from its own thread; a panel
+that stops hearing it says that its kernel is gone (`widgets/_common.js`). Its incoming messages (clicks) are
+handled on cbnb's kernel subshell (`cbnb.ui.live`), so they act while a cell runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import anywidget
 import traitlets
 
 from . import _assets
+from .live import route_comm
 from .poller import Frame, Poller
 
 __all__ = ["Panel", "RequestPanel"]
@@ -44,12 +49,15 @@ class Panel(anywidget.AnyWidget):
     message_kind = traitlets.Unicode("info").tag(sync=True)  # "info" | "ok" | "error"
     _stamp = traitlets.Float(0.0).tag(sync=True)
     _event_t = traitlets.Float(0.0).tag(sync=True)
+    _beat = traitlets.Float(0.0).tag(sync=True)
 
     def __init__(self, engine: Any, *, poller: Poller | None = None, autostart: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.engine = engine
-        self._lock = threading.RLock()  # serialises Python-side writers (poller thread vs. kernel thread)
+        # Serialises Python-side writers: the poller thread, the kernel's main thread and its UI subshell.
+        self._lock = threading.RLock()
         self.on_msg(self._dispatch)
+        self.routed = route_comm(self)  # True: its clicks are handled while a cell runs
         self._setup()
         self._owns_poller = poller is None
         if poller is None:
@@ -134,6 +142,11 @@ class Panel(anywidget.AnyWidget):
     def _values(self, frame: Frame) -> dict[str, Any]:
         """Trait name -> new value for this frame (only those that differ are sent)."""
         return {}
+
+    def _heartbeat(self, now: float) -> None:
+        """Tell the front-end the kernel is alive (poller thread)."""
+        with self._lock:
+            self._beat = now
 
     def close(self) -> None:
         """Stop the panel's own poller (if it has one) and close the widget."""

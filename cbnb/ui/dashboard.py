@@ -30,7 +30,8 @@ class Dashboard(widgets.VBox):
     Args:
         engine: a `cbnb.Engine` (started or not; submitting starts it).
         max_hz: update rate cap of the shared poller, in (0, 10].
-        always_snapshot: take KV snapshots even when the page map is off screen (headless benchmarks).
+        always_snapshot: take KV snapshots on every poll, also while the page map is off screen (the default: data
+            never waits for the browser); False: only while a view of the map reports itself on screen.
         start: start the poller now.
 
     Attributes:
@@ -43,7 +44,7 @@ class Dashboard(widgets.VBox):
     Display it as the last expression of a cell. `close()` stops the poller and closes the widgets.
     """
 
-    def __init__(self, engine: Any, *, max_hz: float = 10.0, always_snapshot: bool = False,
+    def __init__(self, engine: Any, *, max_hz: float = 10.0, always_snapshot: bool = True,
                  start: bool = True) -> None:
         self.engine = engine
         self.poller = Poller(engine, max_hz=max_hz)

@@ -5,8 +5,10 @@ The map travels as one byte per block (`state.encode_kv`: state code + clamped r
 for one block's details when the pointer rests on it (a custom message), and the panel answers from the snapshot
 it last sent, so the answer matches what is on screen.
 
-Snapshots are only taken while at least one view of the map is on screen (the front-end reports its visibility
-with an IntersectionObserver), or always with ``always_snapshot=True`` (used by the headless benchmark).
+The map is pushed on every poll, whether or not a view is on screen (a view's visibility report is a message that
+could wait behind a busy cell; data never waits on it): an off-screen view only skips drawing. Set
+``always_snapshot=False`` to take snapshots only while a view reports itself on screen (the IntersectionObserver's
+report), e.g. for a dashboard over a cache of millions of blocks.
 
 Highlight: the request under the pointer (a block of the map, or a request in another panel) or the selected one
 has all of its blocks highlighted (`highlight`: `state.request_blocks`, with the other owners of its shared blocks);
@@ -34,7 +36,8 @@ class KVPageMapPanel(Panel):
 
     Args:
         engine: the engine.
-        always_snapshot: snapshot on every tick even when no view is visible.
+        always_snapshot: True (the default): snapshot on every poll; False: only while a view is on screen (and
+            once at the start).
         poller, autostart: see `Panel`.
 
     Synced state:
@@ -52,7 +55,7 @@ class KVPageMapPanel(Panel):
     request_count = traitlets.Int(0).tag(sync=True)
     highlight = traitlets.Dict().tag(sync=True)
 
-    def __init__(self, engine: Any, *, always_snapshot: bool = False, **kwargs: Any) -> None:
+    def __init__(self, engine: Any, *, always_snapshot: bool = True, **kwargs: Any) -> None:
         self.always_snapshot = always_snapshot
         self._views: dict[str, bool] = {}
         self._views_lock = threading.Lock()

@@ -68,17 +68,22 @@ class Poller:
         max_hz: update rate cap (ticks per second), in (0, 10]; the issue's budget is 10 Hz.
         idle_refresh_s: also tick this often when no event arrives (catches changes without telemetry, e.g.
             requests finishing while `engine.telemetry` is off).
+        beat_s: send every panel a heartbeat this often (seconds), so that a panel can tell a live kernel, busy
+            or not, from a dead one.
 
     Raises:
-        ValueError: for `max_hz` outside (0, 10] or a non-positive `idle_refresh_s`.
+        ValueError: for `max_hz` outside (0, 10], or a non-positive `idle_refresh_s` or `beat_s`.
     """
 
     def __init__(self, engine: Any, panels: Iterable[PanelLike] = (), *, max_hz: float = 10.0,
-                 idle_refresh_s: float = 1.0) -> None:
+                 idle_refresh_s: float = 1.0, beat_s: float = 2.0) -> None:
         if not (0 < max_hz <= 10):
             raise ValueError(f"max_hz must be in (0, 10]; got {max_hz!r}")
         if not (idle_refresh_s > 0):
             raise ValueError(f"idle_refresh_s must be > 0; got {idle_refresh_s!r}")
+        if not (beat_s > 0):
+            raise ValueError(f"beat_s must be > 0; got {beat_s!r}")
+        self.beat_s = beat_s
         self.engine = engine
         self.panels: list[PanelLike] = list(panels)
         self.min_interval = 1.0 / max_hz
@@ -143,10 +148,25 @@ class Poller:
             self._published = time.time()
         self._wake.set()
 
+    def beat(self) -> None:
+        """Send every panel a heartbeat now (see `beat_s`)."""
+        now = time.time()
+        for p in list(self.panels):
+            hb = getattr(p, "_heartbeat", None)
+            if hb is not None:
+                try:
+                    hb(now)
+                except Exception as e:  # a closed widget: keep beating for the others
+                    self.errors = (self.errors + [f"heartbeat: {type(e).__name__}: {e}"])[-10:]
+
     def _run(self) -> None:
         last = 0.0
+        last_beat = 0.0
         while not self._stop.is_set():
-            self._wake.wait(self.idle_refresh_s)
+            if time.monotonic() - last_beat >= self.beat_s:
+                last_beat = time.monotonic()
+                self.beat()
+            self._wake.wait(min(self.idle_refresh_s, self.beat_s))
             if self._stop.is_set():
                 break
             wait = self.min_interval - (time.monotonic() - last)
