@@ -10,6 +10,7 @@ from .board import RequestBoardPanel
 from .config_panel import ConfigPanel
 from .controls import ControlsPanel
 from .kvmap import KVPageMapPanel
+from .live import route_status
 from .plots import LivePlotsPanel
 from .poller import Poller
 from .runs_panel import RunsPanel
@@ -42,6 +43,11 @@ class Dashboard(widgets.VBox):
             opens its story in `why` and lights up its blocks in `kvmap`.
 
     Display it as the last expression of a cell. `close()` stops the poller and closes the widgets.
+
+    While a cell runs (a sweep, `engine.generate`, your own loop), clicks act at once and the panels keep drawing:
+    the poller pushes from its own thread, and the panels' messages are handled on cbnb's kernel subshell
+    (`cbnb.ui.live`, ipykernel >= 7.4). `live` says whether that holds in this kernel; where it does not, the
+    Controls panel says so, and clicks wait for the running cell.
     """
 
     def __init__(self, engine: Any, *, max_hz: float = 10.0, always_snapshot: bool = True,
@@ -71,6 +77,8 @@ class Dashboard(widgets.VBox):
                           self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
+        if not self.controls.routed and self.live != "not in a Jupyter kernel":
+            self.controls.show(self.live[:1].upper() + self.live[1:] + ".", "info")
         if start:
             self.poller.start()
 
@@ -102,6 +110,11 @@ class Dashboard(widgets.VBox):
             if layout is not None:
                 layout.close()
         super().close()
+
+    @property
+    def live(self) -> str:
+        """Whether clicks act while a cell runs in this kernel, and why not (`cbnb.ui.live.route_status`)."""
+        return route_status()
 
     def __repr__(self) -> str:
         return f"Dashboard({self.engine!r}, poller={'running' if self.poller.running else 'stopped'})"
