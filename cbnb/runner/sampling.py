@@ -26,8 +26,14 @@ without a seed is keyed by (the engine seed, its ordinal among the unseeded requ
 order of their first draw, the index): reproducible for the same workload under the same
 `ContinuousBatchingConfig.seed` (random per engine when unset). ``U`` has 23 random bits, so ``G`` lies in
 [-2.8, 16.6]: a token whose processed logit is more than ~19 below the row's maximum is never drawn (its probability
-is below e^-19 = 6e-9). Cost: about 25 elementwise passes over the ``[rows that sample, vocab]`` int64 block per step,
-plus one max over every row's logits (the finiteness check).
+is below e^-19 = 6e-9).
+
+Cost per step (CPU): no sort. The noise is about 30 in-place int32/fp32 passes over the ``[rows that sample, vocab]``
+block, a few rows at a time (`_noise_into`, the same values as `gumbel_noise`); top-p on CPU is lazy (`Sampler.draw`:
+one exp pass, then a masked sum per round on the rows whose Gumbel winner fell outside the nucleus); argmaxes are
+two vectorised passes (`_argmax`); plus one max over every row's logits (the finiteness check). An explicit top-p
+mask (`Sampler.process`, rows that want logprobs, and every row on an accelerator) still sorts. Top-p keeps every
+token tied with the smallest kept one (a threshold, so the kept set does not depend on how a sort orders ties).
 """
 
 from __future__ import annotations
@@ -78,10 +84,79 @@ def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
 
 def gumbel_noise(key_lo: torch.Tensor, key_hi: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[S, vocab]`` (fp32) for rows with 31-bit key halves ``key_lo``/``key_hi`` ``[S, 1]``
-    (int64, same device). Deterministic: equal keys give equal rows on any device."""
+    (int64, same device). Deterministic: equal keys give equal rows on any device. (The reference definition, in
+    int64; the sampler computes the same values with `_noise_into`.)"""
     h = _mix31(_mix31(_token_hash(vocab, key_lo.device) ^ key_lo) ^ key_hi)
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # (0, 1), exact in fp32
     return -torch.log(-torch.log(u))
+
+
+_CHUNK = 1 << 18  # elements per chunk of the noise pass (its int32 scratch is reused chunk to chunk)
+
+
+def _mix31_(h: torch.Tensor, t: torch.Tensor) -> None:
+    """`_mix31` in place on int32 values in [0, 2**31), with scratch `t`. The product wraps modulo 2**32 in int32
+    (two's complement, as torch's integer kernels do); its low 31 bits, all that ``& _M31`` keeps, are those of the
+    exact int64 product, so the result equals `_mix31`'s (tests/test_sampling_fast.py checks it)."""
+    for _ in range(2):
+        torch.bitwise_right_shift(h, 16, out=t)
+        h.bitwise_xor_(t).mul_(_MUL).bitwise_and_(_M31)
+    torch.bitwise_right_shift(h, 16, out=t)
+    h.bitwise_xor_(t)
+
+
+def _noise_into(out: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor, ws: dict | None = None) -> torch.Tensor:
+    """`gumbel_noise` written into ``out [S, V]`` (fp32, contiguous), the same values: int32 in place, a few rows
+    at a time (an int64 pass over the whole block allocated ~20 tensors of ``S * V * 8`` bytes)."""
+    S, V = out.shape
+    th = _token_hash(V, out.device).to(torch.int32)
+    lo, hi = key_lo.to(torch.int32), key_hi.to(torch.int32)
+    per = max(1, min(S, _CHUNK // max(V, 1)))
+    h = _scratch(ws, "noise_h", (per, V), out, torch.int32)
+    t = _scratch(ws, "noise_t", (per, V), out, torch.int32)
+    for r0 in range(0, S, per):
+        r1 = min(S, r0 + per)
+        hh, tt = h[: r1 - r0], t[: r1 - r0]
+        torch.bitwise_xor(th, lo[r0:r1], out=hh)
+        _mix31_(hh, tt)
+        hh.bitwise_xor_(hi[r0:r1])
+        _mix31_(hh, tt)
+        o = out[r0:r1]
+        o.copy_(hh.bitwise_right_shift_(8))
+        o.add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_().log_().neg_()  # u in (0, 1), then -log(-log u)
+    return out
+
+
+def _scratch(ws: dict | None, name: str, shape: tuple[int, ...], like: torch.Tensor,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A reusable buffer of `shape` from the workspace `ws` (grown as needed; a fresh tensor when `ws` is None):
+    large tensors freshly allocated each step cost page faults on CPU."""
+    dtype = dtype or like.dtype
+    size = math.prod(shape)
+    if ws is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    t = ws.get(name)
+    if t is None or t.numel() < size or t.dtype != dtype or t.device != like.device:
+        t = ws[name] = torch.empty(size, dtype=dtype, device=like.device)
+    return t[:size].view(shape)
+
+
+_BLOCK = 64
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for ``x [n, V]`` (fp32), the first index of each row's maximum, in two vectorised passes:
+    block maxima (a fast reduction), then the first block holding the row's maximum and the first index in it
+    (torch's argmax is a scalar loop, ~8x slower on CPU). Rows with NaN get an arbitrary index (such rows fail:
+    their maximum is not finite)."""
+    n, V = x.shape
+    if x.device.type != "cpu" or V % _BLOCK or V < 4 * _BLOCK or not x.is_contiguous():
+        return x.argmax(-1)
+    blocks = x.view(n, V // _BLOCK, _BLOCK)
+    bmax = blocks.amax(-1)  # [n, nb]
+    first = (bmax == bmax.amax(-1, keepdim=True)).to(torch.uint8).argmax(-1)  # first block with the maximum
+    inner = blocks[torch.arange(n, device=x.device), first].argmax(-1)  # [n, _BLOCK] -> first index in it
+    return first * _BLOCK + inner
 
 
 @dataclass
@@ -100,6 +175,15 @@ class SamplingRows:
         append: (history slots, positions, row indices) of the rows whose drawn token joins their history.
         logprob_rows: ``[r]`` int64, indices (among the n) of the rows that want logprobs, or None.
         max_logprobs: K, the largest `logprobs` in the step.
+        sample_rows: host list of the rows that draw (indices among the n); sample_index: the same as ``[s]`` int64
+            on the device, or None when every row draws.
+        lazy_rows / lazy: the rows whose top-p `Sampler.draw` applies lazily (host list / ``[l]`` int64; CPU
+            sampler, top_p < 1, no logprobs; see `Sampler.draw`), or None; eager_top_p: ``[r]`` int64, the other
+            rows with top_p < 1 (an explicit, sorted mask), or None.
+        defer_top_p: set by `Sampler.draw` while its warpers run: `warp_top_p` leaves the lazy rows unmasked and
+            stores `nucleus` = (``e [l, V]`` fp32, ``exp(x - max)`` of their top-k-filtered logits; ``P [l, 1]``,
+            ``top_p * e.sum()``).
+        workspace: the sampler's reusable buffers while `Sampler.draw` runs (None otherwise).
     """
 
     index: torch.Tensor
@@ -120,13 +204,21 @@ class SamplingRows:
     append: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     logprob_rows: torch.Tensor | None = None
     max_logprobs: int = 0
+    sample_rows: list[int] | None = None
+    sample_index: torch.Tensor | None = None
+    lazy_rows: list[int] | None = None
+    eager_top_p: torch.Tensor | None = None
+    lazy: torch.Tensor | None = None
+    defer_top_p: bool = False
+    nucleus: tuple[torch.Tensor, torch.Tensor] | None = None
+    workspace: dict | None = None
 
     def __len__(self) -> int:
         return len(self.params)
 
 
 def warp_temperature(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    return x / rows.temperature if rows.any_temperature else x
+    return x.div_(rows.temperature) if rows.any_temperature else x  # in place: x is the sampler's own copy
 
 
 def warp_top_k(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -136,24 +228,45 @@ def warp_top_k(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     vals = torch.topk(x, min(rows.max_top_k, x.shape[-1]), dim=-1).values
     kth = vals.gather(1, (k - 1).clamp(min=0, max=vals.shape[-1] - 1))
     kth = torch.where(k > 0, kth, torch.full_like(kth, float("-inf")))
-    return x.masked_fill(x < kth, float("-inf"))
+    return x.masked_fill_(x < kth, float("-inf"))  # ties with the k-th value stay (transformers' TopKLogitsWarper)
+
+
+def _top_p_sorted(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p mask of ``x [r, V]`` (``top_p [r, 1]`` fp32) by a full sort, in place: an ascending sort, the
+    cumulative softmax, and every entry below the smallest kept value set to -inf (transformers' TopPLogitsWarper
+    arithmetic; tokens tied with the smallest kept one are all kept)."""
+    sorted_x = torch.sort(x, dim=-1, descending=False).values
+    cum = sorted_x.softmax(-1).cumsum(-1)
+    dropped = (cum <= (1 - top_p)).sum(-1, keepdim=True)  # a prefix of the ascending order
+    thr = sorted_x.gather(1, dropped.clamp(max=x.shape[-1] - 1))  # the most likely token always stays
+    return x.masked_fill_(x < thr, float("-inf"))
 
 
 def warp_top_p(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Top-p. Explicitly (a sort) on the rows with top_p < 1, except, while `Sampler.draw` runs (`defer_top_p`),
+    the lazy rows: for them it stores ``exp(x - max)`` and the mass to reach, and the draw tests its winner."""
     if not rows.any_top_p:
         return x
-    sorted_x, order = torch.sort(x, dim=-1, descending=False)
-    cum = sorted_x.softmax(-1).cumsum(-1)
-    drop = cum <= (1 - rows.top_p)  # rows with top_p = 1 drop only entries that are already -inf (mass 0)
-    drop[:, -1] = False  # always keep the most likely token
-    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if rows.defer_top_p and rows.lazy is not None:
+        xl = x if rows.lazy_rows == list(range(len(rows))) else x.index_select(0, rows.lazy)
+        e = torch.sub(xl, xl.amax(-1, keepdim=True), out=_scratch(rows.workspace, "e", xl.shape, xl)).exp_()
+        rows.nucleus = (e, e.sum(-1, keepdim=True) * rows.top_p.index_select(0, rows.lazy))
+        eager = rows.eager_top_p
+    else:
+        parts = [t for t in (rows.eager_top_p, rows.lazy) if t is not None]
+        eager = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
+    if eager is None:
+        return x
+    if eager.shape[0] == x.shape[0]:  # every row: no gather (the order of the rows does not matter here)
+        return _top_p_sorted(x, rows.top_p)
+    return x.index_copy_(0, eager, _top_p_sorted(x.index_select(0, eager), rows.top_p.index_select(0, eager)))
 
 
 def warp_min_p(x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if not rows.any_min_p:
         return x
     # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); the maximum itself always stays
-    return x.masked_fill(x < x.amax(-1, keepdim=True) + rows.log_min_p, float("-inf"))
+    return x.masked_fill_(x < x.amax(-1, keepdim=True) + rows.log_min_p, float("-inf"))
 
 
 #: The warpers, in order: ``(x [n, V] fp32, rows) -> x``.
@@ -186,18 +299,22 @@ class Sampler:
     Args:
         device: where logits live.
         seed: the engine seed for requests without their own (None: random for this sampler).
+        lazy_top_p: draw top-p rows without sorting (`draw`), which reads a few flags on the host per step: free on
+            CPU, a synchronisation on an accelerator. None (default): on CPU only.
 
     Attributes:
         processors: extra logits processors applied after the requests' own, ``(x [n, V] fp32, rows) -> x``.
         history: the requests' token histories on the device (`cbnb.runner.processors.History`).
     """
 
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None, lazy_top_p: bool | None = None) -> None:
         self.device = torch.device(device)
+        self.lazy_top_p = self.device.type == "cpu" if lazy_top_p is None else bool(lazy_top_p)
         self._seed_given = seed is not None
         self.engine_seed = int(seed) if seed is not None else random.SystemRandom().getrandbits(62)
         self.processors: list[Callable[[torch.Tensor, SamplingRows], torch.Tensor]] = []
         self.history = procs.History(self.device, self._to_device)
+        self._ws: dict[str, torch.Tensor] = {}  # buffers reused by every draw (noise, exp, masked sums)
         self._ordinals: dict[str, int] = {}  # unseeded request -> ordinal of its first draw
         self._next_ordinal = 0
 
@@ -268,6 +385,10 @@ class Sampler:
         iv = self._to_device(np.asarray(ints, dtype=np.int64).T.copy())
         fv = self._to_device(np.asarray(floats, dtype=np.float32).T.copy())
         sample_flags = [t[4] for t in ints]
+        top_p_rows = [n for n, (t, f) in enumerate(zip(ints, floats)) if t[4] and f[1] < 1.0]
+        lazy_rows = [n for n in top_p_rows if self.lazy_top_p and params[n].logprobs is None]
+        eager = [n for n in top_p_rows if n not in set(lazy_rows)]
+        srows = [n for n, f in enumerate(sample_flags) if f]
         batch = procs.build(infos, self.history, vocab or 0, self._to_device, len(params)) if infos else None
         append = None
         if batch is not None and batch.hist_rows is not None:  # the drawn token joins the row's history
@@ -280,7 +401,12 @@ class Sampler:
             any_top_p=any(f[1] < 1.0 for f in floats), any_min_p=any(f[2] > -math.inf for f in floats),
             any_sample=any(sample_flags), params=params, processors=batch, append=append,
             logprob_rows=self._to_device(np.asarray(want_lp, dtype=np.int64)) if want_lp else None,
-            max_logprobs=max((params[n].logprobs for n in want_lp), default=0))
+            max_logprobs=max((params[n].logprobs for n in want_lp), default=0),
+            sample_rows=srows, sample_index=(None if len(srows) == len(params) else
+                                             self._to_device(np.asarray(srows, dtype=np.int64))),
+            lazy_rows=lazy_rows or None,
+            lazy=self._to_device(np.asarray(lazy_rows, dtype=np.int64)) if lazy_rows else None,
+            eager_top_p=self._to_device(np.asarray(eager, dtype=np.int64)) if eager else None)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -290,34 +416,90 @@ class Sampler:
 
     # ---------------------------------------------------------------------------------------------- device side
     def process(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """The processed logits ``[n, V]`` (fp32) of the rows: processors, then warpers on the rows that sample."""
-        x = logits.index_select(0, rows.index).float()
+        """The processed logits ``[n, V]`` (fp32) of the rows: processors, then warpers on the rows that sample
+        (every filter explicit: filtered entries are -inf)."""
+        return self._process(logits, rows, False)
+
+    def _process(self, logits: torch.Tensor, rows: SamplingRows, defer: bool) -> torch.Tensor:
+        x = logits.index_select(0, rows.index).float()  # a copy: the processors and warpers work in place
         if rows.processors is not None:
             x = procs.apply(x, rows.processors, self.history)
         for fn in self.processors:
             x = fn(x, rows)
         if rows.any_sample:
-            for fn in WARPERS:
-                x = fn(x, rows)
+            rows.defer_top_p, rows.nucleus = defer, None
+            rows.workspace = self._ws if defer else None
+            try:
+                for fn in WARPERS:
+                    x = fn(x, rows)
+            finally:
+                rows.defer_top_p, rows.workspace = False, None
         return x
 
     def draw(self, logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Drawn ids ``[n]`` (int64, on the logits' device) of the rows in `rows`, from ``logits [S, V]``, and their
-        processed logits ``[n, V]`` (fp32). One batched pass: processors, warpers, Gumbel-max; no host
-        synchronisation."""
-        x = self.process(logits, rows)
+        processed logits ``[n, V]`` (fp32; the lazy rows' without their top-p mask, see below). One batched pass:
+        processors, warpers, Gumbel-max; no host synchronisation unless `lazy_top_p`.
+
+        Lazy top-p (`lazy_top_p`, rows without logprobs): no sort. The nucleus is a top set (a token is in it iff
+        the mass of the tokens strictly more likely is below ``top_p`` times the total, so with a token every more
+        likely one is in it), hence the Gumbel-max winner over the nucleus is the first token, in the order of
+        ``x + G``, that belongs to it. The row's winner w over all tokens is tested (one masked sum); if it is
+        out, so is every token with ``x <= x_w``: those are removed and the test repeats on the rows that failed
+        (about 1 - top_p of the rows per round; the row's most likely token always passes, so it ends). The token
+        drawn is the one the sorted mask would give, up to the rounding of the two sums at the nucleus boundary."""
+        x = self._process(logits, rows, True)
         return self._draw(x, rows), x
 
     def _draw(self, x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         if not rows.any_sample:
-            tok = x.argmax(-1)
+            tok = _argmax(x)
         else:
-            noisy = x + gumbel_noise(rows.key_lo, rows.key_hi, x.shape[-1])
-            tok = (noisy if rows.sample is None else torch.where(rows.sample, noisy, x)).argmax(-1)
+            n = x.shape[0]
+            srows = rows.sample_rows if rows.sample_rows is not None else list(range(n))
+            every = len(srows) == n
+            sel = None if every else (rows.sample_index if rows.sample_index is not None else
+                                      torch.tensor(srows, dtype=torch.int64, device=x.device))
+            xs = x if every else x.index_select(0, sel)
+            keys = ((rows.key_lo, rows.key_hi) if every else
+                    (rows.key_lo.index_select(0, sel), rows.key_hi.index_select(0, sel)))
+            noisy = _noise_into(_scratch(self._ws, "noisy", xs.shape, xs), *keys, ws=self._ws)
+            noisy += xs  # x + G, as argmax(x + G) of the reference
+            tok_s = _argmax(noisy)
+            if rows.nucleus is not None:
+                where = {r: i for i, r in enumerate(srows)}
+                pos = [where[r] for r in rows.lazy_rows]
+                tok_s = self._nucleus_draw(xs, noisy, tok_s, pos, *rows.nucleus, ws=self._ws)
+            tok = tok_s if every else _argmax(x).index_copy_(0, sel, tok_s)
+        rows.nucleus = None
         if rows.append is not None:
-            slots, pos, which = rows.append
-            self.history.append(slots, pos, tok.index_select(0, which))
+            slots, pos_, which = rows.append
+            self.history.append(slots, pos_, tok.index_select(0, which))
         return tok
+
+    @staticmethod
+    def _nucleus_draw(x: torch.Tensor, noisy: torch.Tensor, tok: torch.Tensor, pos: list[int], e: torch.Tensor,
+                      mass: torch.Tensor, ws: dict | None = None) -> torch.Tensor:
+        """The lazy top-p draw (see `draw`) of rows `pos` of ``x``/``noisy`` ``[s, V]``, whose winners over all
+        tokens are ``tok [s]``; ``e [l, V]`` and ``mass [l, 1]`` from `warp_top_p`. Returns tok, updated."""
+        full = pos == list(range(x.shape[0]))
+        act = torch.tensor(pos, dtype=torch.int64, device=x.device)  # rows of x still being tested
+        cx, cn = (x, noisy) if full else (x.index_select(0, act), noisy.index_select(0, act))
+        ce, cm = e, mass
+        w = tok if full else tok.index_select(0, act)
+        out = tok.clone()
+        while True:
+            xw = cx.gather(1, w.unsqueeze(1))
+            masked = torch.where(cx > xw, ce, ce.new_zeros(()), out=_scratch(ws, "masked", ce.shape, ce))
+            above = masked.sum(-1, keepdim=True)
+            fail = (above >= cm).squeeze(1)  # NaN (every token ruled out, or NaN logits: the row fails) passes
+            if not bool(fail.any()):  # a host read: free on CPU (lazy_top_p is off elsewhere by default)
+                return out
+            k = fail.nonzero().squeeze(1)
+            act, cx, cn, ce, cm, xw = (t.index_select(0, k) for t in (act, cx, cn, ce, cm, xw))
+            cn.masked_fill_(cx <= xw, float("-inf"))  # the winner and every token not more likely are out
+            w = _argmax(cn)
+            out.index_copy_(0, act, w)
 
     def sample(self, logits: torch.Tensor, entries: Sequence[Any],
                out: torch.Tensor | None = None) -> tuple[torch.Tensor, StepReport]:
@@ -329,11 +511,11 @@ class Sampler:
         graph's) are ignored. Raises nothing for empty input (returns ``[0]``)."""
         S = min(len(entries), logits.shape[0])
         logits = logits[:S]
-        if out is None:
-            top, out = logits.max(-1)  # the argmax and the finiteness check in one pass
-        else:
-            top = logits.amax(-1)
+        top = logits.amax(-1)  # the finiteness check
         rows = self.rows(entries, logits.shape[-1]) if S else None
+        if out is None:  # every row drawn below: no argmax of the raw logits
+            out = (torch.empty(S, dtype=torch.int64, device=logits.device) if rows is not None and len(rows) == S
+                   else _argmax(logits))
         bad = ~torch.isfinite(top)
         if rows is None:
             return out, StepReport(bad.to(torch.float64).unsqueeze(1))
