@@ -12,6 +12,7 @@ import torch
 
 from cbnb.requests import SamplingParams
 from cbnb.runner import sampling as sm
+from cbnb.runner import noise
 from cbnb.runner.sampling import Sampler, gumbel_noise, row_key
 
 NEG = float("-inf")
@@ -73,7 +74,7 @@ def test_int32_noise_equals_the_int64_definition(shape):
     lo = torch.randint(0, 2 ** 31 - 1, (S, 1))
     hi = torch.randint(0, 2 ** 31 - 1, (S, 1))
     lo[0], hi[0] = 0, 2 ** 31 - 1  # extremes of the key halves
-    got = sm._noise_into(torch.empty(S, V), lo, hi)
+    got = noise._noise_into(torch.empty(S, V), lo, hi)
     assert torch.equal(got, gumbel_noise(lo, hi, V))
 
 
@@ -81,8 +82,8 @@ def test_int32_multiply_wraps_like_int64_low_bits():
     # What _mix31_ relies on, on every kernel path (vector body, scalar tail, broadcast).
     for n in (1, 15, 16, 17, 1000):
         a = torch.randint(0, 2 ** 31 - 1, (n,))
-        got = (a.to(torch.int32) * sm._MUL).bitwise_and_(sm._M31).to(torch.int64)
-        assert torch.equal(got, (a * sm._MUL) & sm._M31)
+        got = (a.to(torch.int32) * noise._MUL).bitwise_and_(noise._M31).to(torch.int64)
+        assert torch.equal(got, (a * noise._MUL) & noise._M31)
 
 
 @pytest.mark.parametrize("V", [64, 256, 1000, 4096, 49152])
