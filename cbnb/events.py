@@ -243,11 +243,17 @@ class RequestDone(Event):
 class RunStarted(Event):
     """A new run begins after step `step`: `cause` "reconfigure" (the config changed; `label` names the changed
     fields, e.g. "page_size=16, safety_margin=0.3"), "reset_stats" (`engine.reset_stats()`) or "workload" (a standard
-    workload was submitted). The live plots start a new segment here."""
+    workload was submitted). The live plots start a new segment here.
+
+    A reconfigure also records the resolved config's values before and after it (`config_before`, `config_after`:
+    field name -> value; empty for the other causes), so that a request's story can quote the config in force at
+    each step rather than today's."""
 
     kind: ClassVar[str] = "run_started"
     cause: str = ""
     label: str = ""
+    config_before: dict[str, Any] = field(default_factory=dict)
+    config_after: dict[str, Any] = field(default_factory=dict)
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

@@ -9,6 +9,10 @@
 `sweep` reconfigures one engine between runs (`engine.reconfigure`), so the dashboard attached to it shows every
 run live. Rows hold the figures of `engine.stats()["run"]` flattened (units in the names), the config values that
 changed, and the run's wall time.
+
+Importing this module also makes plotly's default template include cbnb's (`cbnb.plot_theme`): transparent
+backgrounds and grey text, so the notebooks' summary charts read in JupyterLab's dark theme as in its light one
+(unless another default template was chosen).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import time
 from typing import Any, Iterable, Mapping
 
 from .config import ContinuousBatchingConfig
+from .plot_theme import use_theme_template
 
 __all__ = ["run_workload", "sweep", "flatten_stats"]
+
+use_theme_template()  # the notebooks' plotly charts follow JupyterLab's light / dark theme
 
 
 def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -193,7 +193,9 @@ def explain_request(events: Any, request_id: str, *, config: Any = None, now: An
     Args:
         events: an `EventLog`, or an iterable of events (oldest first).
         request_id: the request.
-        config: the engine's resolved config (its current values are quoted in the advice), optional.
+        config: the engine's resolved config now, optional: the advice quotes the values in force at each step
+            (the step's own budgets, and the configs recorded by reconfigure markers), and says when they differ
+            from these.
         now: the request's live `RequestOutput` (its current state and tokens), optional.
 
     Raises:
@@ -218,6 +220,17 @@ def _planned_after(prev: StoryEntry, entry: StoryEntry) -> bool:
     return prev.step > entry.step or (entry.kind == "prefix_hit" and prev.kind == "prefill" and prev.step == entry.step)
 
 
+def _config_values(config: Any) -> dict[str, Any]:
+    """A config's fields by name (a dataclass, or a dict of values as a `RunStarted` marker records them)."""
+    if isinstance(config, dict):
+        return config
+    import dataclasses
+
+    if dataclasses.is_dataclass(config):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {k: v for k, v in vars(config).items() if not k.startswith("_")} if hasattr(config, "__dict__") else {}
+
+
 def explain_engine_request(engine: Any, request: Any) -> RequestStory:
     """`explain_request` on an engine (`Engine` or `SimEngine`): its event log and resolved config, with the request's
     live output when it is still listed. `request`: an id, or a handle/output (`request_id_of`).
@@ -236,13 +249,19 @@ class StoryBuilder:
 
     Args:
         request_id: the request.
-        config: the engine's resolved config, quoted in the advice (optional).
+        config: the engine's resolved config now (optional; may be replaced as the engine reconfigures). The
+            advice quotes the config in force at the entry's step, never today's values for an older step.
     """
 
     def __init__(self, request_id: str, config: Any = None) -> None:
         rid = request_id
         self.rid = rid
         self.config = config
+        # Reconfigure markers seen: (the last step under the old config, its values, the new values).
+        self._reconfigs: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
+        # Per entry that gives advice (by id): (fields to quote, advice text, values the step itself carried).
+        self._advice_of: dict[int, tuple[tuple[str, ...], str, dict[str, Any]]] = {}
+        self._now_cache: tuple[Any, dict[str, Any]] = (None, {})
         self._story = RequestStory(rid)
         self.seen = False
         self.live = False  # between arrival and end
@@ -272,12 +291,46 @@ class StoryBuilder:
                 return last
         return None
 
-    def _advice(self, fields: Iterable[str], text: str) -> str:
+    def _advise(self, entry: StoryEntry, fields: Iterable[str], text: str, carried: dict[str, Any] | None = None
+                ) -> None:
+        """Give `entry` its advice; the config values it quotes are filled in by `story()` (see `_advice`)."""
+        self._advice_of[id(entry)] = (tuple(fields), text, dict(carried or {}))
+        entry.advice = self._advice(entry)
+
+    def _in_force(self, step: int) -> tuple[dict[str, Any] | None, bool]:
+        """The config values in force at `step`, and whether they are today's (no reconfigure since).
+        None: unknown (a reconfigure after `step` whose marker did not record the old values)."""
+        for last, before, _after in self._reconfigs:
+            if step <= last:  # this reconfigure came after the step
+                return (before or None), False
+        if self.config is not None:
+            return self._now(), True
+        return (self._reconfigs[-1][2] or None) if self._reconfigs else None, True
+
+    def _now(self) -> dict[str, Any]:
+        """Today's config values (cached per config object: `story()` quotes them for every entry)."""
         cfg = self.config
         if cfg is None:
+            return {}
+        if self._now_cache[0] is not cfg:
+            self._now_cache = (cfg, _config_values(cfg))
+        return self._now_cache[1]
+
+    def _advice(self, entry: StoryEntry) -> str:
+        fields, text, carried = self._advice_of.get(id(entry), ((), entry.advice, {}))
+        then, current = self._in_force(entry.step)
+        then = dict(then or {}, **carried)  # the step's own budgets are exact
+        now = self._now()
+        quoted = [f for f in fields if f in then]
+        if not quoted:
             return text
-        now = [f"{f}={getattr(cfg, f)}" for f in fields if hasattr(cfg, f)]
-        return f"{text} (now {', '.join(now)})" if now else text
+        said = ", ".join(f"{f}={then[f]}" for f in quoted)
+        changed = [f for f in quoted if f in now and now[f] != then[f]]
+        if current and not changed:
+            return f"{text} (now {said})"
+        if not changed:
+            return f"{text} (at step {entry.step}: {said})"
+        return f"{text} (at step {entry.step}: {said}; now " + ", ".join(f"{f}={now[f]}" for f in changed) + ")"
 
     # --------------------------------------------------------------------------------------- events
     def feed(self, events: Iterable[Any]) -> None:
@@ -292,6 +345,9 @@ class StoryBuilder:
                 self._step(e)
             return
         if kind == "run_started":
+            if e.cause == "reconfigure":
+                self._reconfigs.append((e.step, dict(getattr(e, "config_before", None) or {}),
+                                        dict(getattr(e, "config_after", None) or {})))
             if self.live and e.cause == "reconfigure":
                 self.recompute = True
                 self._add(StoryEntry("reconfigure", e.step, e.step, numbers={"label": e.label},
@@ -357,7 +413,11 @@ class StoryBuilder:
         info = REASONS.get(reason, ReasonInfo(reason, "", (), ""))
         if entry is None:
             entry = StoryEntry("waiting", step, step, reason=reason, numbers=numbers, steps=[(step, numbers)],
-                               fields=list(info.fields), advice=self._advice(info.fields, info.advice))
+                               fields=list(info.fields))
+            # The step's budgets are the config in force when it was planned (a reconfigure changes them).
+            carried = {"max_batch_tokens": getattr(e, "token_budget", None),
+                       "max_requests_per_batch": getattr(e, "request_cap", None)}
+            self._advise(entry, info.fields, info.advice, {k: v for k, v in carried.items() if v})
             self._add(entry)
         k = entry.count
         said = reason_numbers(reason, entry.steps[-1][1])
@@ -381,19 +441,21 @@ class StoryBuilder:
                     f"{e.reason}")
             fields = ["num_blocks", "cpu_offload_space"]
             advice = "more num_blocks make offloads rarer; cpu_offload_space > 0 swaps instead of recomputing"
-        self._add(StoryEntry("offload", e.step, e.step, reason=e.path, text=text, fields=fields,
-                             advice=self._advice(fields, advice),
-                             numbers={"blocks_freed": e.blocks_freed, "tokens_to_recompute": e.tokens_to_recompute,
-                                      "why": e.reason}))
+        entry = StoryEntry("offload", e.step, e.step, reason=e.path, text=text, fields=fields,
+                           numbers={"blocks_freed": e.blocks_freed, "tokens_to_recompute": e.tokens_to_recompute,
+                                    "why": e.reason})
+        self._advise(entry, fields, advice)
+        self._add(entry)
 
     def _on_restore(self, e: Any) -> None:
         self._add(StoryEntry("restore", e.step, e.step, numbers={"blocks": e.blocks},
                              text=f"restored from the host pool ({e.blocks} blocks copied back, nothing recomputed)"))
 
     def _on_request_warning(self, e: Any) -> None:
-        self._add(StoryEntry("warning", e.step, e.step, reason=e.code, numbers={"code": e.code},
-                             text=f"warning: {e.message}", fields=["num_blocks", "page_size"],
-                             advice=self._advice(["num_blocks"], "a larger cache holds the whole request")))
+        entry = StoryEntry("warning", e.step, e.step, reason=e.code, numbers={"code": e.code},
+                           text=f"warning: {e.message}", fields=["num_blocks", "page_size"])
+        self._advise(entry, ["num_blocks"], "a larger cache holds the whole request")
+        self._add(entry)
 
     def _on_state_change(self, e: Any) -> None:
         if e.new == "DECODING":  # its prompt (or recomputation) is done
@@ -429,6 +491,9 @@ class StoryBuilder:
             st.max_new_tokens = now.max_new_tokens
             st.prompt_text = getattr(now, "prompt_text", None)
         st.partial = not any(e.kind == "arrival" for e in self.entries)
+        for entry in self.entries:  # the config may have changed since the entry was made
+            if id(entry) in self._advice_of:
+                entry.advice = self._advice(entry)
         st.headline = self._headline()
         return st
 

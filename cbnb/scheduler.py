@@ -308,7 +308,10 @@ class Scheduler:
             hit = 0
             if match is not None:
                 hit = match.num_tokens
-                req.prefix_cached_tokens += hit
+                # Per admission, not summed: a request re-admitted after a soft reset or a reconfigure matches its
+                # prompt again (and may match its own generated tokens); only its prompt tokens count.
+                plen = len(req.prompt_ids)
+                req.prefix_cached_tokens = hit if hit < plen else plen
             if req.swapped:
                 req.swapped = False
             samples = n == remaining

@@ -90,10 +90,13 @@ class Recorder:
         self.run = RunStats()
         self._kv_sample_t = float("-inf")
 
-    def mark_run(self, cause: str, label: str = "") -> None:
-        """Record a `RunStarted` marker (any thread: it goes to the log at once, after the steps already there)."""
+    def mark_run(self, cause: str, label: str = "", *, before: dict[str, Any] | None = None,
+                 after: dict[str, Any] | None = None) -> None:
+        """Record a `RunStarted` marker (any thread: it goes to the log at once, after the steps already there);
+        `before` / `after`: a reconfigure's config values (field name -> value)."""
         if self.enabled:
-            self.events.append(RunStarted(self._step_id(), self.clock(), cause, label))
+            self.events.append(RunStarted(self._step_id(), self.clock(), cause, label, dict(before or {}),
+                                          dict(after or {})))
 
     def _step_id(self) -> int:
         return self.core.step_id if self.core is not None else 0

@@ -34,11 +34,57 @@ function cbnbFrame(el, model, cls, title) {
   model.on("change:message", showMessage);
   model.on("change:message_kind", showMessage);
   showMessage();
+  const offLive = cbnbWatchKernel(model, root);
   const cleanup = () => {
     model.off("change:message", showMessage);
     model.off("change:message_kind", showMessage);
+    offLive();
   };
   return { root, head, body, msg, cleanup };
+}
+
+// A live panel hears from the kernel every couple of seconds (the poller's heartbeat `_beat`, sent from its own
+// thread, so a busy cell does not stop it). Silence for CBNB_STALE_S means a restarted, shut down or stuck
+// kernel: the panel says so, and a click on it explains instead of doing nothing. Armed by the first beat (a
+// panel rendered without a kernel, as in the front-end harness, never goes stale).
+const CBNB_STALE_S = 8;
+function cbnbWatchKernel(model, root) {
+  let last = performance.now();
+  let stale = false;
+  const banner = cbnbEl("div", "cbnb-stale-banner");
+  banner.style.display = "none";
+  root.prepend(banner);
+  const setStale = (on, secs) => {
+    if (on) banner.textContent = `No word from the kernel for ${Math.round(secs)} s: it was restarted, shut down or `
+      + "is stuck, so this panel is not live. Re-run the cell that made it.";
+    if (on === stale) return;
+    stale = on;
+    banner.style.display = on ? "" : "none";
+    root.classList.toggle("cbnb-stale", on);
+  };
+  const heard = () => { last = performance.now(); setStale(false, 0); };
+  model.on("change:_beat", heard);
+  model.on("change:_stamp", heard);
+  const timer = setInterval(() => {
+    if (!(model.get("_beat") > 0)) return;
+    const secs = (performance.now() - last) / 1000;
+    if (secs > CBNB_STALE_S) setStale(true, secs);
+  }, 1000);
+  const onClick = (e) => {
+    if (!stale || banner.contains(e.target)) return;
+    e.stopPropagation();
+    e.preventDefault();
+    banner.classList.remove("cbnb-flash");
+    void banner.offsetWidth;  // restart the flash animation
+    banner.classList.add("cbnb-flash");
+  };
+  root.addEventListener("click", onClick, true);
+  return () => {
+    clearInterval(timer);
+    model.off("change:_beat", heard);
+    model.off("change:_stamp", heard);
+    root.removeEventListener("click", onClick, true);
+  };
 }
 
 // Record the delay between Python reading the engine (_stamp, time.time()) and this model seeing the update,

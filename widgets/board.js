@@ -67,7 +67,8 @@ function render({ model, el }) {
     const parts = Object.entries(counts).filter(([, n]) => n > 0).map(([s, n]) => `${n} ${s.toLowerCase()}`);
     const hidden = model.get("hidden") || 0;
     const es = model.get("engine_state") || "";
-    summary.textContent = `engine ${es || "?"} · ` + (parts.length ? parts.join(" · ") : "no requests")
+    const esText = es === "paused" ? "paused (step mode: Step or Resume)" : (es || "?");
+    summary.textContent = `engine ${esText} · ` + (parts.length ? parts.join(" · ") : "no requests")
       + (hidden ? ` · ${hidden} older ended requests not listed` : "");
     const rows = model.get("rows") || [];
     const live = rows.filter((r) => !CBNB_TERMINAL.has(r[ix.state])).length;

@@ -1,5 +1,6 @@
-// Config panel: one compact control per ContinuousBatchingConfig field in two columns (cache | scheduling; the
-// CUDA-only fields folded away on CPU; each field's explanation as its tooltip), a memory preview (current vs
+// Config panel: one control per ContinuousBatchingConfig field in two columns (cache | scheduling; the CUDA-only
+// fields folded away on CPU; each field's explanation as its tooltip; rows wrap rather than overlap at 2x fonts;
+// numeric fields have a slider and a number box for exact values), a memory preview (current vs
 // proposed), the config as transformers code, and a sticky Apply / Reset bar with the result next to it.
 
 const MEM_PARTS = [
@@ -16,6 +17,35 @@ function cfgFormat(f, v) {
   if (f.unit === "GiB") return `${Number(v).toFixed(2)} GiB`;
   if (typeof v === "number") return v.toLocaleString();
   return String(v);
+}
+
+// Numeric fields: a slider (log-scaled where the range spans decades, so 16-4096 is not 4 px per step) next to a
+// number box for exact values. The slider runs over CFG_TICKS positions; its value is mapped to the field's.
+const CFG_TICKS = 1000;
+function cfgIsLog(fd) { return fd.min > 0 && fd.max / fd.min >= 50; }
+function cfgIsInt(fd) { return Number.isInteger(Number(fd.step)) && Number.isInteger(Number(fd.min)); }
+function cfgFromTick(fd, t) {
+  const lo = Number(fd.min), hi = Number(fd.max), step = Number(fd.step) || 1;
+  const raw = cfgIsLog(fd) ? lo * Math.pow(hi / lo, t / CFG_TICKS) : lo + (hi - lo) * (t / CFG_TICKS);
+  // Snap to the field's step (counted from 0, so 16-4096 by 16 gives 16, 32, ...), inside the range.
+  const snapped = Math.round(raw / step) * step;
+  const v = Math.min(hi, Math.max(lo, snapped));
+  return cfgIsInt(fd) ? Math.round(v) : Number(v.toFixed(6));
+}
+function cfgToTick(fd, v) {
+  const lo = Number(fd.min), hi = Number(fd.max), x = Math.min(hi, Math.max(lo, Number(v)));
+  if (hi <= lo) return 0;
+  return Math.round(CFG_TICKS * (cfgIsLog(fd) ? Math.log(x / lo) / Math.log(hi / lo) : (x - lo) / (hi - lo)));
+}
+// A typed value: the number, or {error} naming the field and its allowed range.
+function cfgParse(fd, text) {
+  const range = `${cfgFormat(fd, Number(fd.min))} to ${cfgFormat(fd, Number(fd.max))}`;
+  const t = String(text).trim().replace(/,/g, "");
+  const v = t === "" ? NaN : Number(t);
+  if (!Number.isFinite(v)) return { error: `${fd.name} must be a number from ${range}; got "${text}"` };
+  if (cfgIsInt(fd) && !Number.isInteger(v)) return { error: `${fd.name} must be a whole number from ${range}; got ${t}` };
+  if (v < Number(fd.min) || v > Number(fd.max)) return { error: `${fd.name} must be from ${range}; got ${t}` };
+  return { value: v };
 }
 
 function initialize({ model }) {
@@ -76,6 +106,23 @@ function render({ model, el }) {
     model.save_changes();
     refresh();
   };
+  // A typed value that is not valid stays in its box, marked, with the reason under the row; nothing is sent.
+  const showError = (name, text) => {
+    const c = controls[name];
+    if (!c) return;
+    c.err.textContent = text;
+    c.err.style.display = "";
+    if (c.num) c.num.setAttribute("aria-invalid", "true");
+    c.row.classList.add("cbnb-invalid-row");
+  };
+  const clearError = (name) => {
+    const c = controls[name];
+    if (!c) return;
+    c.err.textContent = "";
+    c.err.style.display = "none";
+    if (c.num) c.num.removeAttribute("aria-invalid");
+    c.row.classList.remove("cbnb-invalid-row");
+  };
 
   const build = () => {
     for (const form of [formCache, formSched, formCuda]) form.replaceChildren();
@@ -84,7 +131,7 @@ function render({ model, el }) {
       row.dataset.field = fd.name;
       const label = cbnbEl("label", "cbnb-config-label", fd.name);
       const out = cbnbEl("span", "cbnb-config-value");
-      let input;
+      let input, num = null;
       if (fd.kind === "select") {
         input = cbnbEl("select");
         for (const o of fd.options) { const op = cbnbEl("option", null, o); op.value = String(o); input.append(op); }
@@ -108,16 +155,46 @@ function render({ model, el }) {
       } else {
         input = cbnbEl("input");
         input.type = "range";
-        input.min = fd.min; input.max = fd.max; input.step = fd.step;
-        input.addEventListener("input", () => push(fd.name, Number(input.value)));
+        input.min = "0"; input.max = String(CFG_TICKS); input.step = "1";
+        input.addEventListener("input", () => { clearError(fd.name); push(fd.name, cfgFromTick(fd, Number(input.value))); });
+        // Arrow keys move by the field's own step (PageUp/PageDown: x2 / /2), whatever the slider's scale.
+        input.addEventListener("keydown", (e) => {
+          const cur = Number((model.get("values") || {})[fd.name]), step = Number(fd.step) || 1;
+          const next = { ArrowRight: cur + step, ArrowUp: cur + step, ArrowLeft: cur - step, ArrowDown: cur - step,
+            PageUp: cur * 2, PageDown: cur / 2, Home: Number(fd.min), End: Number(fd.max) }[e.key];
+          if (next === undefined || !Number.isFinite(cur)) return;
+          e.preventDefault();
+          const v = Math.min(Number(fd.max), Math.max(Number(fd.min), cfgIsInt(fd) ? Math.round(next) : Number(next.toFixed(6))));
+          clearError(fd.name);
+          push(fd.name, v);
+        });
+        num = cbnbEl("input", "cbnb-config-num");
+        num.type = "text"; // not type=number: the browser would silently drop an invalid entry instead of our error
+        num.inputMode = cfgIsInt(fd) ? "numeric" : "decimal";
+        num.dataset.field = fd.name;
+        num.setAttribute("aria-label", `${fd.name} (${cfgFormat(fd, Number(fd.min))} to ${cfgFormat(fd, Number(fd.max))})`);
+        const commit = () => {
+          const r = cfgParse(fd, num.value);
+          if (r.error) { showError(fd.name, r.error); return; }
+          clearError(fd.name);
+          push(fd.name, r.value);
+        };
+        num.addEventListener("change", commit);
+        num.addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); commit(); } });
       }
       input.classList.add("cbnb-config-input");
       input.dataset.field = fd.name;
-      // The field's explanation is its tooltip (rows are "display: contents": the title goes on each cell).
-      for (const cell of [label, input, out]) cell.title = `${fd.name}: ${fd.help || ""}`;
-      row.append(label, input, out);
+      const err = cbnbEl("div", "cbnb-config-error");
+      err.style.display = "none";
+      // The field's explanation is its tooltip.
+      const unit = fd.unit && fd.unit !== "fraction" ? ` (${fd.unit})` : "";
+      for (const cell of [row, label, input, out]) cell.title = `${fd.name}${unit}: ${fd.help || ""}`;
+      const ctl = cbnbEl("span", "cbnb-config-ctl");
+      ctl.append(input);
+      if (num) ctl.append(num);
+      row.append(label, ctl, out, err);
       (fd.cuda_only ? formCuda : fd.group === "scheduling" ? formSched : formCache).append(row);
-      controls[fd.name] = { input, out, row, field: fd };
+      controls[fd.name] = { input, num, out, row, err, field: fd };
     }
     refresh();
   };
@@ -132,15 +209,23 @@ function render({ model, el }) {
       const fd = c.field;
       if (fd.kind === "toggle") c.input.checked = !!v;
       else if (fd.kind === "radio") c.input.querySelectorAll("input").forEach((r) => { r.checked = r.value === v; });
-      else if (document.activeElement !== c.input || fd.kind === "select") c.input.value = String(v);
+      else if (fd.kind === "range") {
+        if (document.activeElement !== c.input) c.input.value = String(cfgToTick(fd, v));
+        // The box keeps what is being typed (and an invalid entry) until it is committed.
+        if (document.activeElement !== c.num && !c.row.classList.contains("cbnb-invalid-row")) c.num.value = String(v);
+      } else if (document.activeElement !== c.input || fd.kind === "select") c.input.value = String(v);
       const diff = applied[name] !== undefined && applied[name] !== v;
       if (diff) nChanged++;
-      c.out.textContent = cfgFormat(fd, v) + (diff ? ` (now ${cfgFormat(fd, applied[name])})` : "");
-      c.row.classList.toggle("cbnb-changed-row", diff);
+      // The control shows the value (numbers in their box; the unit is in the tooltip): the text only says the
+      // value in force while an edit is pending.
+      c.out.textContent = diff ? `(now ${cfgFormat(fd, applied[name])})` : "";
+      c.out.style.display = c.out.textContent ? "" : "none";
+      // toggle() with a second argument that is undefined flips the class: always pass a boolean.
+      c.row.classList.toggle("cbnb-changed-row", !!diff);
       const off = (name === "num_blocks" && vals.sizing !== "num_blocks")
         || (name === "max_memory_percent" && vals.sizing === "num_blocks")
-        || (fd.cuda_only && device !== "cuda");
-      c.row.classList.toggle("cbnb-inactive", off);
+        || (!!fd.cuda_only && device !== "cuda");
+      c.row.classList.toggle("cbnb-inactive", !!off);
     }
     cudaSum.textContent = device === "cuda" ? "CUDA graphs and padding" : `CUDA-only fields (no effect on ${device})`;
     if (device === "cuda" && !cuda.dataset.touched) cuda.open = true;

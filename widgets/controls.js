@@ -36,16 +36,18 @@ function render({ model, el }) {
   row.append(pause, step, resume, rateLabel, status, scaleLabel, themeOut);
   f.body.append(row);
 
+  // "1 step/s", "0.5 steps/s".
+  const perS = (r) => `${r} step${Number(r) === 1 ? "" : "s"}/s`;
   const fillRates = () => {
     const cur = model.get("step_rate") || 0;
     rate.replaceChildren(...(model.get("rates") || [0]).map((r) => {
-      const o = cbnbEl("option", null, r ? `${r} steps/s` : "off");
+      const o = cbnbEl("option", null, r ? perS(r) : "off");
       o.value = String(r);
       return o;
     }));
     rate.value = String(cur);
     if (rate.value !== String(cur)) {  // a rate set from Python that is not among the choices
-      const o = cbnbEl("option", null, `${cur} steps/s`); o.value = String(cur); rate.append(o); rate.value = String(cur);
+      const o = cbnbEl("option", null, perS(cur)); o.value = String(cur); rate.append(o); rate.value = String(cur);
     }
   };
   const draw = () => {
@@ -58,7 +60,7 @@ function render({ model, el }) {
     resume.disabled = !paused;
     step.disabled = stepping || (es && es !== "running" && es !== "created");
     const r = model.get("step_rate") || 0;
-    const what = paused ? `paused after step ${last}` : (r ? `slow motion (${r} steps/s) · step ${last}` : `running · step ${last}`);
+    const what = paused ? `paused after step ${last}` : (r ? `slow motion (${perS(r)}) · step ${last}` : `running · step ${last}`);
     status.textContent = `${what} · ${running} running · ${waiting} waiting`
       + (paused && waiting ? " (submissions queue until Step or Resume)" : "") + (stepping ? " · stepping…" : "");
     status.classList.toggle("cbnb-paused", paused);

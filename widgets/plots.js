@@ -36,7 +36,8 @@ function plotsRange(step, tstep, windowSteps, run) {
 
 // The six charts, each its own small plotly figure, so that a redraw blocks the page for one small chart at most.
 // Returns builders: a chart's arrays are converted only when it is drawn.
-function plotsFigures(model, theme, scale) {
+// `width`: the chart's width in pixels (run-marker labels wrap to fit inside the plot area).
+function plotsFigures(model, theme, scale, width = 420) {
   const st = model.get("steps") || {};
   const se = model.get("series") || {};
   const sm = model.get("summary") || {};
@@ -46,6 +47,12 @@ function plotsFigures(model, theme, scale) {
   const S = (k) => Array.from(cbnbFloats(st[k]));
   const T = (k) => Array.from(cbnbFloats(se[k]));
   const step = S("step"), tstep = T("step"), tt = T("t");
+  // Per-step traces are drawn as steps centred on their step number: from s-0.5 to s+0.5 (shape "hv" from s-0.5),
+  // with the last value repeated at the right edge, so the newest step is a whole bar, not a sliver cut at the
+  // edge. The hover rounds x back to the step (xaxis.hoverformat).
+  const stepX = step.map((v) => v - 0.5);
+  if (step.length) stepX.push(step[step.length - 1] + 0.499);
+  const SX = (k) => { const y = S(k); if (y.length) y.push(y[y.length - 1]); return y; };
   const cur = runs.length ? runs[runs.length - 1] : { index: 0, step: 0, label: "" };
   const range = plotsRange(step, tstep, model.get("window") || 240, cur);
   const fs = (px) => Math.round(px * scale * 10) / 10;
@@ -57,7 +64,7 @@ function plotsFigures(model, theme, scale) {
   const tline = (name, key, color, extra = {}, fmt = ".1f") => line(name, tstep, T(key), color, {
     customdata: tt, hovertemplate: `%{y:${fmt}} (t %{customdata:.1f} s)`, ...extra });
   // Stacked step areas: one SVG path per trace whatever the number of steps.
-  const area = (name, y, color, group, extra = {}) => ({ type: "scatter", mode: "lines", name, x: step, y,
+  const area = (name, y, color, group, extra = {}) => ({ type: "scatter", mode: "lines", name, x: stepX, y,
     stackgroup: group, line: { shape: "hv", width: 0.5, color }, fillcolor: color, ...extra });
   const axis = (title, extra = {}) => ({ title: { text: title, font: { size: fs(10) }, standoff: 4 },
     tickfont: { size: fs(10) }, gridcolor: theme.grid, linecolor: theme.grid, zerolinecolor: theme.grid,
@@ -65,18 +72,25 @@ function plotsFigures(model, theme, scale) {
   // Run segments: a dashed line where each run starts (labelled), and a veil over everything before this run.
   const shapes = [], notes = [];
   const inRange = (x) => x > range[0] && x < range[1];
-  // Labels: the newest run in full; an older one as "run k" where there is room before the next label.
+  // Labels: the newest run in full (wrapped onto lines, never cut); an older one as "run k" where there is room
+  // before the next label. A label sits inside the plot area on the side of its line with more room, so it
+  // neither runs off the chart nor over the axes' tick labels.
   const shown = runs.filter((r) => r.index > 0 && inRange(r.step + 0.5));
+  const span = range[1] - range[0];
+  const plotPx = Math.max(120, width - (52 + 52) * scale);
   let nextX = Infinity;
   for (let k = shown.length - 1; k >= 0; k--) {
     const r = shown[k], x = r.step + 0.5;
     shapes.push({ type: "line", xref: "x", yref: "paper", x0: x, x1: x, y0: 0, y1: 1,
       line: { color: theme.fg2, width: 1, dash: "dash" } });
     const newest = k === shown.length - 1;
-    if (!newest && nextX - x < 0.12 * (range[1] - range[0])) continue;
-    const full = `run ${r.index}: ${r.label || r.cause}`;
-    notes.push({ text: newest ? (full.length > 44 ? full.slice(0, 43) + "…" : full) : `run ${r.index}`, x, y: 1,
-      xref: "x", yref: "paper", xanchor: "left", yanchor: "top", showarrow: false, align: "left",
+    if (!newest && nextX - x < 0.12 * span) continue;
+    const right = (x - range[0]) / span > 0.5; // more room to the left of the line
+    const roomPx = plotPx * (right ? (x - range[0]) / span : (range[1] - x) / span) - 8;
+    const chars = Math.max(10, Math.floor(roomPx / (fs(9) * 0.6)));
+    const text = newest ? plotsWrap(`run ${r.index}: ${r.label || r.cause}`, chars) : `run ${r.index}`;
+    notes.push({ text, x, y: 1, xref: "x", yref: "paper", xanchor: right ? "right" : "left", yanchor: "top",
+      xshift: right ? -2 : 2, showarrow: false, align: right ? "right" : "left",
       font: { size: fs(9), color: theme.fg2 }, bgcolor: theme.veil, borderpad: 1 });
     nextX = x;
   }
@@ -96,7 +110,7 @@ function plotsFigures(model, theme, scale) {
       hovermode: "x unified", showlegend: true,
       hoverlabel: { bgcolor: theme.bg, font: { color: theme.fg, size: fs(11) } },
       legend: { orientation: "h", x: 0, y: 1.02, xanchor: "left", yanchor: "bottom", font: { size: fs(10) } },
-      xaxis: axis("step", { range, autorange: false, rangemode: "normal" }),
+      xaxis: axis("step", { range, autorange: false, rangemode: "normal", hoverformat: ".0f" }),
       yaxis: axis(yTitle),
       shapes, annotations: [...notes, ...annotations],
       ...rest, datarevision: Date.now(),
@@ -120,14 +134,14 @@ function plotsFigures(model, theme, scale) {
   const thisRun = cur.index > 0 ? `run ${cur.index}` : "this run";
 
   const f1 = () => {
-    const decode = S("decode");
+    const decode = SX("decode");
     return {
       traces: [area("decode", decode, theme.pal.decode, "tok", { hovertemplate: "%{y} tokens" }),
-        area("prefill", S("prefill"), theme.pal.prefill, "tok", { hovertemplate: "%{y} tokens" }),
-        line("max_batch_tokens", step, S("budget"), theme.fg, { line: { dash: "dash", shape: "hv", width: 1.2 },
+        area("prefill", SX("prefill"), theme.pal.prefill, "tok", { hovertemplate: "%{y} tokens" }),
+        line("max_batch_tokens", stepX, SX("budget"), theme.fg, { line: { dash: "dash", shape: "hv", width: 1.2 },
           hovertemplate: "%{y}" }),
         // Decode steps add one token per request: invisible beside a 256-token prefill on one scale.
-        line("decode tokens (right axis)", step, decode, theme.pal.decodeLine,
+        line("decode tokens (right axis)", stepX, decode, theme.pal.decodeLine,
           { yaxis: "y2", line: { shape: "hv", width: 2 }, hovertemplate: "%{y}" })],
       layout: layout("Tokens per step: prefill vs decode, against max_batch_tokens", "tokens",
         { yaxis2: y2("decode tokens", intAxis([decode])) }),
@@ -136,7 +150,7 @@ function plotsFigures(model, theme, scale) {
   const f2 = () => {
     const skipTraces = [];
     reasons.forEach((r) => {
-      const y = S(`skip_${r}`);
+      const y = SX(`skip_${r}`);
       if (!y.some((v) => v > 0)) return;
       const ri = info[r] || {};
       skipTraces.push(area(ri.label || r.replace(/_/g, " "), y, theme.reason(r), "skip",
@@ -146,7 +160,7 @@ function plotsFigures(model, theme, scale) {
       traces: skipTraces,
       layout: layout("Requests left out per step, by reason", "requests",
         skipTraces.length ? { yaxis: axis("requests", intAxis([skipTraces.reduce((acc, t) => acc.map((v, k) => v + (t.y[k] || 0)),
-          new Array(step.length).fill(0))])) } : { yaxis: axis("requests", { range: [0, 4], autorange: false }),
+          new Array(stepX.length).fill(0))])) } : { yaxis: axis("requests", { range: [0, 4], autorange: false }),
           annotations: [note(step.length ? "no request was left out in these steps" : "no steps yet")] }),
       reasons: skipTraces.map((t) => t.meta),
     };
@@ -179,6 +193,19 @@ function plotsFigures(model, theme, scale) {
     layout: layout("Throughput (tokens/s) and latency (ms)", "tokens/s", { yaxis2: y2("ms") }),
   });
   return [f1, f2, f3, f4, f5, f6];
+}
+
+// `text` broken into lines of at most `n` characters at spaces and commas (plotly annotations take <br>).
+function plotsWrap(text, n) {
+  const words = String(text).split(/(?<=[ ,])/);
+  const lines = [];
+  let cur = "";
+  for (const w of words) {
+    if (cur && (cur + w).trimEnd().length > n) { lines.push(cur.trimEnd()); cur = ""; }
+    cur += w;
+  }
+  if (cur.trim()) lines.push(cur.trimEnd());
+  return lines.join("<br>");
 }
 
 function plotsGraphNote(sm) {
@@ -269,7 +296,7 @@ async function render({ model, el }) {
     try {
       next = (i + 1) % 6;
       dirty.delete(i);
-      const fig = plotsFigures(model, cbnbTheme(f.root), cbnbScale(f.root))[i]();
+      const fig = plotsFigures(model, cbnbTheme(f.root), cbnbScale(f.root), plots[i].clientWidth || 420)[i]();
       const t0 = performance.now();
       await P.react(plots[i], fig.traces, fig.layout, { displayModeBar: false, responsive: true });
       if (i === 1) drawReasonLegend(fig.reasons || []);

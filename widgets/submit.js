@@ -54,15 +54,36 @@ function render({ model, el }) {
     model.save_changes();
   };
   prompt.addEventListener("input", sync);
+  // One gesture, one submission: Submit is disabled from the click until Python confirms that gesture (its id,
+  // "nonce", comes back), so the second click of a double click finds it disabled; Python also ignores a nonce it
+  // has seen. If no answer comes (a dead kernel), the button comes back after IN_FLIGHT_MS.
+  const IN_FLIGHT_MS = 10000;
+  let inflight = null, inflightTimer = null;
+  const done = () => {
+    inflight = null;
+    if (inflightTimer) clearTimeout(inflightTimer);
+    inflightTimer = null;
+    btn.disabled = false;
+    btn.textContent = "Submit";
+  };
   const submit = () => {
+    if (inflight) return;
+    inflight = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
+    btn.disabled = true;
+    btn.textContent = "Submitting…";
+    inflightTimer = setTimeout(done, IN_FLIGHT_MS);
     model.send({
       kind: "submit",
+      nonce: inflight,
       prompt: prompt.value,
       max_new_tokens: mnt.value === "" ? null : Number(mnt.value),
       temperature: temp.value === "" ? null : Number(temp.value),
     });
   };
-  btn.addEventListener("click", submit);
+  // detail > 1: the second (third...) click of a multi-click is part of the same gesture.
+  btn.addEventListener("click", (e) => { if (!(e.detail > 1)) submit(); });
+  const onMsg = (msg) => { if (msg && msg.kind === "submitted" && msg.nonce === inflight) done(); };
+  model.on("msg:custom", onMsg);
   prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); submit(); }
   });
@@ -80,6 +101,8 @@ function render({ model, el }) {
   model.on("change:chat_template", showHint);
   return () => {
     f.cleanup();
+    if (inflightTimer) clearTimeout(inflightTimer);
+    model.off("msg:custom", onMsg);
     model.off("change:prompt", onPrompt);
     model.off("change:max_new_tokens", onMnt);
     model.off("change:temperature", onTemp);

@@ -1,20 +1,21 @@
 // Request timeline: one row per request (arrival order, the newest at the bottom), one column per engine step.
-// A cell is waiting (shaded by the skip reason), a prefill chunk (filled to its share of the step's token
-// budget), a decode, swapped out / waiting in swap, a soft reset, or the end. Drawn with ImageData on one canvas
+// A cell is waiting (shaded by the skip reason), a prefill chunk (the whole cell, as its legend swatch; its
+// tokens are in the hover), a decode, swapped out / waiting in swap, a soft reset, or the end. Drawn with ImageData on one canvas
 // that shows only the rows in view, so 256 requests x 500 steps cost the same as 20. Hover asks Python for the
 // cell's details; a click selects the row's request ("Why?").
 
 const TL_KINDS = ["empty", "waiting", "prefill", "decode", "in_swap", "swapped_out", "soft_reset", "finished", "failed",
   "cancelled"];
 const TL_LABELS = {
-  waiting: "waiting (shade = reason)", prefill: "prefill chunk (filled to its share of max_batch_tokens)",
+  waiting: "waiting (shade = reason)", prefill: "prefill chunk",
   decode: "decode", swapped_out: "swapped out to host", in_swap: "waiting in host swap", soft_reset: "soft reset",
   finished: "finished", failed: "failed", cancelled: "cancelled",
 };
 const TL_COLORS = {
   light: { prefill: "#3d6fa8", decode: "#1b8f87", swapped_out: "#8e44ad", in_swap: "#c9a3dc", soft_reset: "#8b1a1a",
     finished: "#3f9e3a", failed: "#d62728", cancelled: "#8a8a8a", empty: null },
-  dark: { prefill: "#6fa3e0", decode: "#4fd1c5", swapped_out: "#c17ce0", in_swap: "#6d4a7f", soft_reset: "#ff5a5a",
+  // Soft reset is raspberry, not a second red beside "failed" (tests/ui check every pair is far apart).
+  dark: { prefill: "#6fa3e0", decode: "#4fd1c5", swapped_out: "#c17ce0", in_swap: "#6d4a7f", soft_reset: "#e0457b",
     finished: "#6fd06a", failed: "#ff6b6b", cancelled: "#9a9a9a", empty: null },
 };
 
@@ -28,26 +29,28 @@ function tlRgb(css) {
 function tlMix(a, b, t) { return a.map((x, i) => Math.round(x * (1 - t) + b[i] * t)); }
 function tlPack([r, g, b]) { return (255 << 24) | (b << 16) | (g << 8) | r; }
 
-// Per code: [full colour, faint colour] as packed RGBA (the faint one fills the rest of a prefill cell).
+// Per code: its colour as packed RGBA. A prefill cell is filled whole, like its legend swatch (a pale cell with a
+// sliver for a short chunk read as waiting); how many tokens it took is in the hover.
 function tlPalette(theme, reasons) {
   const bg = tlRgb(theme.bg);
   const cols = TL_COLORS[theme.dark ? "dark" : "light"];
-  const full = new Uint32Array(256), faint = new Uint32Array(256);
+  const full = new Uint32Array(256);
   for (let v = 0; v < 256; v++) {
     const kind = TL_KINDS[v & 15] || "empty";
-    let c = bg, f = bg;
-    if (kind === "waiting") {
-      const r = reasons[v >> 4];
-      c = tlMix(tlRgb(theme.reason(r)), bg, theme.dark ? 0.45 : 0.55);
-      f = c;
-    } else if (kind !== "empty" && cols[kind]) {
-      c = tlRgb(cols[kind]);
-      f = kind === "prefill" ? tlMix(c, bg, theme.dark ? 0.62 : 0.72) : c;
-    }
+    let c = bg;
+    if (kind === "waiting") c = tlMix(tlRgb(theme.reason(reasons[v >> 4])), bg, theme.dark ? 0.45 : 0.55);
+    else if (kind !== "empty" && cols[kind]) c = tlRgb(cols[kind]);
     full[v] = tlPack(c);
-    faint[v] = tlPack(f);
   }
-  return { full, faint, bg: tlPack(bg) };
+  return { full, bg: tlPack(bg) };
+}
+
+// `text` cut to `w` pixels with an ellipsis (row labels in the gutter).
+function tlFit(ctx, text, w) {
+  if (ctx.measureText(text).width <= w) return text;
+  let lo = 0, hi = text.length;
+  while (lo < hi) { const m = (lo + hi + 1) >> 1; if (ctx.measureText(text.slice(0, m) + "…").width <= w) lo = m; else hi = m - 1; }
+  return text.slice(0, lo) + "…";
 }
 
 function initialize({ model }) {
@@ -121,8 +124,11 @@ function render({ model, el }) {
     const scale = cbnbScale(f.root);
     const reasons = model.get("reasons") || [];
     const pal = tlPalette(theme, reasons);
-    const rowH = Math.round(14 * scale), headH = Math.round(18 * scale), gutter = Math.round(200 * scale);
     const width = Math.max(320, wrap.clientWidth || el.clientWidth || 800);
+    // The label gutter grows with the font only up to 240 px (and a fifth of the width): at 2x the step columns
+    // keep their width instead of shrinking to ~5 px; long labels end in "…" (the hover names the request).
+    const rowH = Math.round(14 * scale), headH = Math.round(18 * scale);
+    const gutter = Math.round(Math.min(200 * scale, Math.max(200, Math.min(240, width * 0.2))));
     const maxH = Math.round(330 * scale);
     const total = headH + rows.length * rowH;
     const h = Math.max(headH + rowH, Math.min(maxH, total));
@@ -143,14 +149,13 @@ function render({ model, el }) {
     const img = ctx.createImageData(width, h);
     const px = new Uint32Array(img.data.buffer);
     px.fill(pal.bg);
-    // Per pixel column: which step column, and how far into it (a prefill fills part of its cell).
+    // Per pixel column: which step column it shows (-1: a gap between columns, or none).
     const colGap = colW >= 5 ? 1 : 0, rowGap = rowH >= 6 ? 1 : 0;
-    const xs = new Int32Array(width).fill(-1), xf = new Float32Array(width);
+    const xs = new Int32Array(width).fill(-1);
     for (let x = gutter; x < gutter + shown * colW && x < width; x++) {
       const u = (x - gutter) / colW, c = Math.floor(u);
       if (c >= shown || (colGap && (x - gutter) - c * colW >= colW - colGap)) continue;
       xs[x] = col0 + c;
-      xf[x] = (u - c) * colW / Math.max(1, colW - colGap);
     }
     const yOff = top - row0 * rowH; // pixels of row0 scrolled out at the top
     for (let y = headH; y < h; y++) {
@@ -163,7 +168,7 @@ function render({ model, el }) {
         if (c < 0) continue;
         const code = cells[base + c] || 0;
         if (!code) continue;
-        px[line + x] = (code & 15) === 2 && xf[x] > (code >> 4) / 15 ? pal.faint[code] : pal.full[code];
+        px[line + x] = pal.full[code];
       }
     }
     ctx.putImageData(img, 0, 0);
@@ -197,7 +202,7 @@ function render({ model, el }) {
       ctx.beginPath(); ctx.rect(0, headH, gutter - 6, h - headH); ctx.clip();
       ctx.fillStyle = theme.fg;
       const state = row.state ? ` ${row.state === "FINISHED" ? "✓" : row.state === "CANCELLED" ? "✗" : ""}` : "";
-      ctx.fillText(`${row.id}${state} ${row.label || ""}`, 4, y + rowH / 2);
+      ctx.fillText(tlFit(ctx, `${row.id}${state} ${row.label || ""}`, gutter - 10), 4, y + rowH / 2);
       ctx.restore();
       if (row.id === sel) {
         ctx.strokeStyle = theme.dark ? "#ffe066" : "#111"; ctx.lineWidth = 1.5;

@@ -29,7 +29,7 @@ class RequestBoardPanel(RequestPanel):
             words (`state.prompt_label`).
         counts: requests per state name.
         hidden: ended requests not listed.
-        engine_state: "created", "running", "stopped" or "dead".
+        engine_state: "created", "running", "paused" (step mode holds it between steps), "stopped" or "dead".
     """
 
     _esm = _assets.esm("board.js")
@@ -60,7 +60,10 @@ class RequestBoardPanel(RequestPanel):
         if len(self._labels) > 4 * (len(rows) + 64):
             keep = {r[0] for r in rows}
             self._labels = {k: v for k, v in self._labels.items() if k in keep}
-        return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": frame.engine_state}
+        state = frame.engine_state
+        if state == "running" and getattr(self.engine, "paused", False):
+            state = "paused"  # alive but held by the step mode: "running" would contradict the Controls bar
+        return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": state}
 
     # ------------------------------------------------------------------------------------------ actions
     def cancel_all(self) -> int:

@@ -25,6 +25,11 @@ __all__ = ["ControlsPanel", "STEP_RATES"]
 STEP_RATES = [0.0, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
+def _per_s(rate: float) -> str:
+    """A step rate in words: "1 step per second", "0.5 steps per second"."""
+    return f"{rate:g} step{'' if rate == 1 else 's'} per second"
+
+
 class ControlsPanel(Panel):
     """Step mode and presentation controls.
 
@@ -51,6 +56,13 @@ class ControlsPanel(Panel):
 
     def _setup(self) -> None:
         self._sync()
+        # A dashboard made over an engine that already ran (a re-run cell) starts where the engine is: its newest
+        # step and that step's summary, not "step 0".
+        ev = self._last_plan()
+        step = int(ev.step) if ev is not None else int(getattr(getattr(self.engine, "core", None), "step_id", 0) or 0)
+        if step:
+            self.last_step = step
+            self.show(self._summary(step, ev) + (" Paused." if self.paused else ""), "info")
 
     def _sync(self) -> None:
         eng = self.engine
@@ -83,7 +95,8 @@ class ControlsPanel(Panel):
             return
         self.engine.resume()
         self.paused = False
-        self.show("Running.", "ok")
+        rate = float(getattr(self.engine, "step_rate", None) or 0.0)
+        self.show(f"Running in slow motion: at most {_per_s(rate)}." if rate else "Running.", "ok")
         self.poller.poke()
 
     def step(self, wait: bool = False, timeout: float = 60.0) -> bool:
@@ -119,16 +132,30 @@ class ControlsPanel(Panel):
             return
         self.engine.set_step_rate(steps_per_s or None)
         self._sync()
-        self.show(f"Slow motion: at most {steps_per_s:g} steps per second." if steps_per_s else
-                  "Slow motion off.", "info")
+        self.show(f"Slow motion: at most {_per_s(steps_per_s)}." if steps_per_s else "Slow motion off.", "info")
 
     def _describe(self, step_id: int | None) -> str:
-        """One line about a step from its StepPlanned event."""
+        """One line about a step from its StepPlanned event (after Step: the engine holds again)."""
         if step_id is None:
             return "Nothing to step: no request is waiting or running."
+        return self._summary(step_id, self._plan_of(step_id)) + " Paused."
+
+    def _plan_of(self, step_id: int) -> Any:
         log = self.engine.events
         recent, _, _ = log.since(max(0, log.cursor - 5000))  # the step is among the newest events
-        ev = next((e for e in reversed(recent) if e.kind == "step_planned" and e.step == step_id), None)
+        return next((e for e in reversed(recent) if e.kind == "step_planned" and e.step == step_id), None)
+
+    def _last_plan(self) -> Any:
+        """The newest StepPlanned event in the log (None: none, e.g. telemetry off)."""
+        log = getattr(self.engine, "events", None)
+        if log is None:
+            return None
+        recent, _, _ = log.since(max(0, log.cursor - 5000))
+        return next((e for e in reversed(recent) if e.kind == "step_planned"), None)
+
+    @staticmethod
+    def _summary(step_id: int, ev: Any) -> str:
+        """"Step N: who ran, who was left out (and why)." from the step's StepPlanned event `ev` (None: unknown)."""
         if ev is None:
             return f"Step {step_id} ran."
         chunks = [f"{t[0]} prefill {t[2]} tokens" for t in ev.taken if t[1] == "prefill"]
@@ -139,7 +166,7 @@ class ControlsPanel(Panel):
         if left:
             reasons = ", ".join(sorted({r.replace('_', ' ') for r, _ids, _d in ev.skipped}))
             text += f"; {left} left out ({reasons})"
-        return text + ". Paused."
+        return text + "."
 
     def _on_pause(self, _msg: dict) -> None:
         self.pause()
@@ -170,6 +197,10 @@ class ControlsPanel(Panel):
         for e in reversed(frame.events):
             if getattr(e, "kind", "") == "step_planned":
                 out["last_step"] = int(e.step)
+                # Slow motion: the message line follows the steps, one summary per step (not a stale "Running.").
+                if out["step_rate"] and not out["paused"] and not self.stepping:
+                    out["message"] = f"{self._summary(int(e.step), e)} Slow motion: at most {_per_s(out['step_rate'])}."
+                    out["message_kind"] = "info"
                 break
         if frame.requests is not None:
             states = [getattr(r.state, "name", str(r.state)) for r in frame.requests]

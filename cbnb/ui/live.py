@@ -8,8 +8,12 @@ names (`Comm._reply_subshell_for`). cbnb creates one subshell per kernel and poi
 Pause, Step, Cancel, Apply and selections are handled on that thread whatever the main thread is doing.
 
 The subshell is kept "busy" by a task that holds its execution lock for the kernel's lifetime: ipykernel then
-dispatches comm messages there as concurrent work, which publishes no busy/idle status (so the notebook's kernel
-indicator keeps telling the truth about the running cell). No code cell is ever sent to it.
+dispatches comm messages there as concurrent work, which publishes no busy/idle status of its own, and no code cell
+can ever run there. cbnb publishes the statuses itself, after each message: "idle" for that message (the widget
+front-end sends its next state update only once the previous one is acknowledged so), then, when a cell is running
+on the main shell, "busy" for that cell again, so the notebook's kernel indicator stays true. (Which cell is
+running comes from IPython's pre/post_run_cell events, under a lock, so the "busy" can never follow the cell's own
+final "idle".)
 
 Outside a kernel, or with an ipykernel that cannot route comms (< 7.4), nothing changes: clicks then wait for the
 running cell, and `route_status()` says so (the Controls panel shows it).
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"kernel": None, "subshell": None, "status": None}
+_cell_lock = threading.Lock()
+_cell: dict[str, Any] = {"parent": None}  # the execute_request now running on the main shell, or None
 
 
 def _kernel() -> Any:
@@ -87,6 +93,32 @@ def _create(kernel: Any, timeout: float) -> str:
     return sid
 
 
+def _watch_cells(kernel: Any) -> None:
+    """Track the running cell's request (main thread, IPython events), for `_acknowledge`."""
+    shell = getattr(kernel, "shell", None)
+    if shell is None:
+        return
+
+    def started(*_a: Any) -> None:
+        with _cell_lock:
+            _cell["parent"] = kernel.get_parent("shell")
+
+    def ended(*_a: Any) -> None:
+        with _cell_lock:
+            _cell["parent"] = None
+
+    shell.events.register("pre_run_cell", started)
+    shell.events.register("post_run_cell", ended)
+
+
+def _acknowledge(kernel: Any, msg: dict) -> None:
+    """Publish "idle" for a handled comm message, then "busy" again for the cell still running, if any."""
+    with _cell_lock:
+        kernel._publish_status("idle", "shell", parent=msg)
+        if _cell["parent"] is not None:
+            kernel._publish_status("busy", "shell", parent=_cell["parent"])
+
+
 def ui_subshell(timeout: float = 5.0) -> str | None:
     """The id of cbnb's UI subshell in this kernel, created on first use; None when none can be had.
 
@@ -110,6 +142,7 @@ def ui_subshell(timeout: float = 5.0) -> str | None:
             return None
         try:
             _state["subshell"] = _create(kernel, timeout)
+            _watch_cells(kernel)
         except Exception as e:  # clicks then wait for the cell, as without cbnb's routing
             log.warning("cbnb: could not create a UI subshell (%s: %s); clicks will wait for running cells",
                         type(e).__name__, e)
@@ -131,6 +164,15 @@ def route_comm(widget: Any) -> bool:
         return False
     # An instance attribute wins over ipykernel's method, which otherwise answers "the subshell that last sent".
     comm._reply_subshell_for = lambda _data, _default, _sid=sid: _sid
+    kernel, handle = _state["kernel"], comm.handle_msg
+
+    def handle_msg(msg: dict) -> None:
+        try:
+            handle(msg)
+        finally:
+            _acknowledge(kernel, msg)
+
+    comm.handle_msg = handle_msg
     return True
 
 

@@ -36,7 +36,13 @@ class SubmitPanel(Panel):
     last_ids = traitlets.List(traitlets.Unicode()).tag(sync=True)
 
     def _setup(self) -> None:
+        from collections import deque
+
         from ..workloads import WORKLOADS
+
+        # Gesture ids of the submissions handled (newest last): a message that arrives twice for one click (a
+        # double click, a re-sent message) submits once.
+        self._nonces: deque[str] = deque(maxlen=64)
 
         # nanovllm-256 is a GPU workload for a random-init model shape; the rest run on the bundled model.
         self.workloads = [w for w in WORKLOADS if w != "nanovllm-256"] or list(WORKLOADS)
@@ -121,6 +127,18 @@ class SubmitPanel(Panel):
 
     # ------------------------------------------------------------------------------------------ front-end
     def _on_submit(self, msg: dict) -> None:
+        nonce = msg.get("nonce")
+        if isinstance(nonce, str) and nonce:
+            if nonce in self._nonces:
+                return  # this gesture was submitted already
+            self._nonces.append(nonce)
+        try:
+            self._submit_msg(msg)
+        finally:
+            if isinstance(nonce, str) and nonce:
+                self.send({"kind": "submitted", "nonce": nonce})  # the front-end enables Submit again
+
+    def _submit_msg(self, msg: dict) -> None:
         for key in ("max_new_tokens", "temperature"):
             if key in msg and msg[key] is None:  # an empty or non-numeric field in the browser
                 self.show(f"{key} is empty or not a number: enter a value.", "error")

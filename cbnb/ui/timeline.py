@@ -2,8 +2,8 @@
 prefill" picture, live).
 
 Rows are requests (the most recent `max_rows`, arrival order), columns engine steps (the most recent `max_steps`).
-A cell is waiting (shaded by the skip reason), a prefill chunk (its width the chunk's share of the step's token
-budget), a decode, swapped out / waiting in the host swap pool, a soft reset, or the end (finished, failed,
+A cell is waiting (shaded by the skip reason), a prefill chunk (the whole cell; its tokens are in the hover), a
+decode, swapped out / waiting in the host swap pool, a soft reset, or the end (finished, failed,
 cancelled). The cells travel as one byte each (`timeline_state`); the front-end asks for a cell's details (step,
 tokens, blocks, reason and its numbers) when the pointer rests on it, and a click on a row selects that request
 (the "Why?" panel tells its story).
@@ -62,17 +62,39 @@ class TimelinePanel(Panel):
         self._sent_version = -1
         super().__init__(engine, **kwargs)
 
+    #: Events of the log read when the panel is made (a dashboard re-made over an engine that already ran shows its
+    #: recent steps at once, not "No steps yet").
+    seed_events = 20_000
+
     def _setup(self) -> None:
         from ..explain import REASONS
 
         self.reason_info = {r: {"label": i.label, "meaning": i.meaning} for r, i in REASONS.items()}
+        self._seed_last = None
+        log = getattr(self.engine, "events", None)
+        if log is not None:
+            events, _, _ = log.since(max(0, log.cursor - self.seed_events))
+            if events:
+                self.timeline.add_events(events)
+                self._seed_last = events[-1]  # a shared poller made before this panel reads these again: skip them
+
+    def _fresh(self, events: list) -> list:
+        """`events` without those the panel already read from the log when it was made."""
+        last, self._seed_last = self._seed_last, None
+        if last is None or not events:
+            self._seed_last = last if not events else None
+            return events
+        for i in range(len(events) - 1, -1, -1):
+            if events[i] is last:
+                return events[i + 1:]
+        return events
 
     def _needs(self) -> set[str]:
         return {"requests"}
 
     def _values(self, frame: Frame) -> dict[str, Any]:
         st = self.timeline
-        st.add_events(frame.events)
+        st.add_events(self._fresh(frame.events))
         if frame.requests is not None:
             tok = getattr(self.engine, "tokenizer", None)
             for r in frame.requests:

@@ -92,6 +92,8 @@ class WhyPanel(Panel):
             if not events and not self._live:
                 return
             b.feed(events)
+            # Today's config (after an Apply): the story still quotes each step's own config, and says what changed.
+            b.config = getattr(self.engine, "config", None)
             rid = b.rid
             now = next((o for o in frame.requests or () if o.request_id == rid), None)
             self._publish(rid, now)

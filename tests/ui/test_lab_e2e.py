@@ -246,8 +246,10 @@ def test_reload_shows_current_plots(session):
     page.wait_for_function(
         "() => { const g = document.querySelector('.cbnb-plots .js-plotly-plot'); return g && g.data && g.data[0].x.length > 0; }",
         timeout=60_000)
-    browser_steps = page.evaluate("() => Array.from(document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x)")
-    assert browser_steps == py_steps, (browser_steps[-5:], py_steps[-5:])
+    edges = page.evaluate("() => Array.from(document.querySelector('.cbnb-plots .js-plotly-plot').data[0].x)")
+    # Each step is drawn as a bar from step - 0.5, and the newest one closed at its right edge (step + 0.499).
+    browser_steps = [x + 0.5 for x in edges[:-1]]
+    assert browser_steps == py_steps and edges[-1] == py_steps[-1] + 0.499, (edges[-5:], py_steps[-5:])
     session.shot("05-after-reload.png", full_page=True)
     session.mark("reload checked")
     (ARTIFACTS / "e2e_timings.json").write_text(json.dumps(session.timings, indent=1))
