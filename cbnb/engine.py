@@ -295,7 +295,8 @@ class Engine(StepMode):
                sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
                suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
                forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None) -> RequestHandle:
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
 
         Every generation argument left None takes the engine's default (its `generation_config`, see
@@ -324,6 +325,10 @@ class Engine(StepMode):
                 tokenizer; see `cbnb.stops`).
             logprobs: 0..20: each token's logprob and that many most likely alternatives (`TokenLogprob`, in the
                 output and in every streamed delta); None: only when `config.return_logprobs` (then 0).
+            prompt_logprobs: 0..20: every prompt token's logprob under the model's raw distribution (no processors)
+                and that many alternatives, in `RequestOutput.prompt_logprobs` (None for the first token). Such a
+                request bypasses the prefix cache (a cached position has no logits), so it computes its whole
+                prompt; the CPU runner only (the CUDA runner refuses it).
 
         Raises:
             TypeError: a prompt form that is not accepted, or a `source` that is not a string.
@@ -334,9 +339,15 @@ class Engine(StepMode):
             EngineStoppedError: once `stop()` began, or after the engine died.
         """
         args = {k: v for k, v in locals().items() if k in REQUEST_ARGS}
+        if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
+                                            or not 0 <= prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None; got {prompt_logprobs!r}")
         if args["logprobs"] is None and self.config.return_logprobs:
             args["logprobs"] = 0
         self._ensure_running()
+        if prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise ValueError(f"prompt_logprobs is not supported by this engine's runner ({type(self.runner).__name__}) "
+                             "yet")
         ids = self.encode(prompt, chat)
         sp, cap = sampling_params(len(ids), self.generation_defaults.resolve(args), eos_token_id=eos_token_id,
                                   default_eos=self.default_eos, vocab_size=self.vocab_size,
@@ -345,6 +356,8 @@ class Engine(StepMode):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper, source=source)
         req.prompt_text = prompt_preview(prompt)
+        if prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_logprobs_k = [], prompt_logprobs
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
         self._loop.submit(req, handle)
         return handle

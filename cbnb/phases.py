@@ -41,7 +41,7 @@ from .plan import StepResult, StepWork
 from .requests import Request, RequestState
 from .telemetry import Recorder
 
-__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes"]
+__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes", "config_values"]
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED_ERROR = "engine stopped"  # the error of requests a stop() cancelled
@@ -134,7 +134,8 @@ class LoopState:
         finally:
             if was_active:
                 self.runner.activate()
-        self.recorder.mark_run("reconfigure", config_changes(before, self.config))
+        self.recorder.mark_run("reconfigure", config_changes(before, self.config), before=config_values(before),
+                               after=config_values(self.config))
 
     def release(self) -> None:
         """Drop the parts for good (the engine is gone): the KV pool and the runner's buffers are freed now."""
@@ -284,6 +285,10 @@ class LoopState:
         t1 = self.clock()
         with self.lock:
             self._settle_cancels()
+            if result.prompt_logprobs:
+                for s in step.work.plan.scheduled:
+                    if s.request.request_id in result.prompt_logprobs:
+                        s.request.add_prompt_logprobs(result.prompt_logprobs[s.request.request_id])
             for req in self.core.apply(step.work, result.tokens, result.logprobs, result.invalid):
                 if not req.is_terminal:
                     self._stream(req)
@@ -383,6 +388,18 @@ class LoopState:
         self.recorder.request_done(req)
         self.recent.append(req)
         self.handles.finish(req)  # its output is built on the caller's side, when asked
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """A resolved config's plain fields by name (numbers, strings, flags, tuples of them; what a reconfigure's
+    `RunStarted` marker records). Objects such as compile configs are left out: an event is plain data."""
+    plain = (type(None), bool, int, float, str)
+    out = {}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
+            out[f.name] = v
+    return out
 
 
 def config_changes(old: Any, new: Any) -> str:

@@ -256,6 +256,8 @@ class StepResult:
         graph_captured: the padded-shape keys captured in this step.
         graph_failed: (key, error message) of each capture that failed in this step (that shape runs eagerly).
         backend: how the step ran, e.g. "cpu-eager", "cuda-graph-async" ("" when the runner does not say).
+        prompt_logprobs: request_id -> [(position, `TokenLogprob` of the prompt token at that position)], for the
+            prefill rows of requests that asked for prompt logprobs.
     """
 
     tokens: dict[str, int]
@@ -267,3 +269,4 @@ class StepResult:
     backend: str = ""
     logprobs: dict[str, Any] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)

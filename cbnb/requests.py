@@ -148,6 +148,7 @@ class Request:
         "transitions", "timings", "num_computed", "pending_samples", "prefix_cached_tokens", "num_offloads",
         "num_soft_resets", "swapped", "error", "finish_reason", "warning", "text", "user_data", "prompt_text",
         "token_times", "source", "_phase_has_output", "logprobs", "stopper", "streamed", "stop_reason", "dropped",
+        "prompt_logprobs", "prompt_logprobs_k",
     )
 
     def __init__(
@@ -217,6 +218,9 @@ class Request:
         self.stop_reason: str | None = None  # the stop string that ended it (finish reason "stop")
         self.dropped = 0  # generated tokens dropped at a stop string (they hold it, or follow it)
         self.source: str | None = source
+        # Per prompt token after the first (None: not asked for); k alternatives each. Set by `Engine.submit`.
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs_k: int | None = None
 
     # ------------------------------------------------------------------------------------------ token accounting
     @property
@@ -334,6 +338,15 @@ class Request:
             self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
         return self.text
 
+    def add_prompt_logprobs(self, items: list[tuple[int, "TokenLogprob"]]) -> None:
+        """Record (position, logprob of the prompt token at that position) pairs from a prefill chunk, in order; a
+        position already recorded (a recomputation after a soft reset) is skipped."""
+        if self.prompt_logprobs is None:
+            return
+        for pos, lp in items:
+            if pos == len(self.prompt_logprobs) + 1:
+                self.prompt_logprobs.append(lp)
+
     def output(self) -> "RequestOutput":
         """A snapshot of this request as a `RequestOutput`."""
         return RequestOutput(
@@ -357,6 +370,7 @@ class Request:
             generated_tokens=len(self.output_ids) + self.dropped,
             source=self.source,
             token_times=list(self.token_times),
+            prompt_logprobs=None if self.prompt_logprobs is None else [None, *self.prompt_logprobs],
         )
 
     def __repr__(self) -> str:
@@ -382,7 +396,8 @@ class RequestOutput:
         warning: set at admission when prompt + max_new_tokens can never fit the KV cache (the request may end
             "cache_exhausted"); None otherwise.
         timings: queued / scheduled / first token / finished marks (perf_counter seconds) with ttft_s, e2e_s.
-        prefix_cached_tokens: prompt tokens served from the prefix cache (over the request's life).
+        prefix_cached_tokens: prompt tokens served from the prefix cache at its latest admission (a re-admission
+            after a soft reset or a reconfigure counts afresh, never summed; at most the prompt's length).
         num_offloads: times the request was swapped out to the host pool.
         num_soft_resets: times the request was soft-reset (re-queued, recomputed).
         max_new_tokens: the request's generation limit in tokens (None: unbounded).
@@ -398,6 +413,10 @@ class RequestOutput:
             Python.
         token_times: when each of `token_ids` was produced (the engine's clock: perf_counter seconds for `Engine`),
             the source of inter-token latencies.
+        prompt_logprobs: with ``submit(prompt_logprobs=k)``: one entry per prompt token, None for the first (nothing
+            predicts it), then each token's `TokenLogprob` under the model's raw distribution (``log_softmax`` of
+            the logits at the position before it, no processors) with its k most likely alternatives; filled as
+            the prefill runs (complete once the first token is out). None when not asked for.
     """
 
     request_id: str
@@ -420,6 +439,7 @@ class RequestOutput:
     generated_tokens: int = 0
     source: str | None = None
     token_times: list[float] = field(default_factory=list)
+    prompt_logprobs: list["TokenLogprob | None"] | None = None
 
     @property
     def finished(self) -> bool:

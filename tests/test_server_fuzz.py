@@ -30,7 +30,8 @@ MESSAGE = st.fixed_dictionaries(
 )
 FIELDS = {
     "model": st.sampled_from(["tiny", "other"]) | JSON,
-    "prompt": st.text(max_size=40) | st.lists(st.integers(-3, 600), max_size=12) | JSON,
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-3, 600), max_size=12)
+    | st.lists(st.text(max_size=10) | st.lists(st.integers(-3, 600), max_size=4), max_size=3) | JSON,
     "messages": st.lists(MESSAGE, max_size=3) | JSON,
     "max_tokens": st.integers(-2, 14) | JSON,
     "max_completion_tokens": st.integers(-2, 14),
@@ -46,6 +47,13 @@ FIELDS = {
     "logit_bias": st.dictionaries(st.sampled_from(["1", "7", "x"]), st.floats(-200, 200), max_size=2),
     "ignore_eos": st.booleans(),
     "user": st.text(max_size=10),
+    "logprobs": st.integers(-1, 22) | st.booleans() | JSON,
+    "top_logprobs": st.integers(-1, 22) | JSON,
+    "min_p": st.floats(-0.5, 1.5) | JSON,
+    "repetition_penalty": st.floats(-1, 12) | JSON,
+    "stop_token_ids": st.lists(st.integers(-2, 600), max_size=3) | JSON,
+    "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4) | JSON, max_size=2) | JSON,
+    "echo": st.booleans() | JSON,
 }
 HOSTILE = st.tuples(st.fixed_dictionaries({}, optional=FIELDS), st.dictionaries(st.text(max_size=6), JSON, max_size=2))
 # Valid bodies (for either endpoint: the other one refuses them), so that a good share of the examples generate.
@@ -60,6 +68,10 @@ VALID_FIELDS = {
     "stream": st.booleans(),
     "ignore_eos": st.booleans(),
     "user": st.text(max_size=10),
+    "n": st.integers(1, 3),
+    "min_p": st.floats(0, 0.5),
+    "repetition_penalty": st.floats(0.5, 2),
+    "stop_token_ids": st.lists(st.integers(3, 511), max_size=2),
 }
 VALID = st.tuples(
     st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=40)}, optional=VALID_FIELDS)

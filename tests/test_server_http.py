@@ -51,7 +51,7 @@ def err(r, status):
     (b"\xff\xfe", "body", "not valid JSON"),
     (b"[1, 2]", "body", "JSON object"),
     (b'{"prompt": "x", "bogus": 1}', "bogus", "Unrecognized request argument supplied: bogus"),
-    (b'{"prompt": "x", "max_tokens": -3}', "max_tokens", "greater than or equal to 1"),
+    (b'{"prompt": "x", "max_tokens": -3}', "max_tokens", "greater than or equal to 0"),
     (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens", "valid integer"),
     (b'{"prompt": "x", "max_tokens": 901}', "max_tokens", "[1, 900]"),
     (b'{"prompt": "x", "temperature": 2.5}', "temperature", "less than or equal to 2"),
@@ -65,9 +65,11 @@ def err(r, status):
     (b'{"prompt": ""}', "prompt", "must not be empty"),
     (b'{"prompt": [1, -2]}', "prompt", "outside the vocabulary"),
     (b'{"prompt": [1, 99999]}', "prompt", "outside the vocabulary"),
-    (b'{"prompt": ["a", "b"]}', "prompt", "several prompts"),
+    (b'{"prompt": ["a", 5]}', "prompt", "a non-empty list of those"),
     (b'{"max_tokens": 3}', "prompt", "Missing required parameter: prompt"),
-    (b'{"prompt": "x", "logprobs": 2}', "logprobs", "not supported yet: logprobs"),
+    (b'{"prompt": "x", "logprobs": 6}', "logprobs", "less than or equal to 5"),
+    (b'{"prompt": "x", "echo": true, "stream": true}', "echo", "not supported yet: echo with stream"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "0 is allowed only with echo=true"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "only allowed with stream"),
 ])
 def test_bad_completion_bodies_get_400_naming_the_field(http, body, param, words):
@@ -82,7 +84,7 @@ def test_bad_completion_bodies_get_400_naming_the_field(http, body, param, words
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_chat_bodies_get_400_naming_the_field(http, body, param):

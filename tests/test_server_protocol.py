@@ -77,3 +77,26 @@ def test_stop_matcher_equals_cutting_at_the_first_stop(text, stops, cuts):
         out.append(m.flush())
     assert "".join(out) == want
     assert m.stopped == bool(hits)
+
+
+def test_extra_fields_logprobs_n_and_batches_map_to_engine_requests():
+    g = parse_request("completion", {"prompt": ["a", [1, 2]], "n": 3, "logprobs": 2, "temperature": 1, "seed": 9,
+                                     "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [5],
+                                     "metadata": {"k": "v"}, "store": True, "service_tier": "auto"}, ENGINE_ARGS)
+    assert g.prompts == ["a", [1, 2]] and g.n == 3 and g.logprobs == 2 and g.stop_token_ids == [5]
+    assert g.submit_kwargs == {"do_sample": True, "temperature": 1, "seed": 9, "min_p": 0.1,
+                               "repetition_penalty": 1.2, "logprobs": 2}
+    assert [g.seed_of(j) for j in range(3)] == [9, 10, 11]
+    chat = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                  "top_logprobs": 5, "parallel_tool_calls": True}, ENGINE_ARGS)
+    assert chat.logprobs == 5 and chat.submit_kwargs["logprobs"] == 5 and chat.n == 1
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+                         ENGINE_ARGS).logprobs == 0
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": False},
+                         ENGINE_ARGS).logprobs is None
+    with pytest.raises(ApiError) as e:
+        parse_request("completion", {"prompt": "x", "logprobs": 1}, ENGINE_ARGS - {"logprobs"})
+    assert e.value.message == "not supported yet: logprobs"
+    with pytest.raises(ApiError) as e:
+        parse_request("completion", {"prompt": "x", "min_p": 0.2}, ENGINE_ARGS - {"min_p"})
+    assert e.value.param == "min_p"

@@ -185,6 +185,8 @@ class CacheManager:
         """
         if not self.sharing or req.swapped or self.full.tables.get(req.request_id):  # type: ignore[union-attr]
             return None
+        if getattr(req, "prompt_logprobs", None) is not None:  # it needs the logits of every prompt position
+            return None
         known = len(req.prompt_ids) + len(req.output_ids)
         n_max = (known - 1) // self.page_size
         if n_max <= 0:

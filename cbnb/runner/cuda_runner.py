@@ -165,6 +165,7 @@ class CudaModelRunner(ModelRunner):
     """
 
     attention_name = CUDA_ATTN_NAME
+    supports_prompt_logprobs = False  # its graphs and async steps keep only the sampling rows' logits
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None,
                  config: Any = None, *, backend: str | None = None, attention: str | None = None,

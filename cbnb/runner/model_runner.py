@@ -50,6 +50,8 @@ class ModelRunner:
     attention_name = ATTN_NAME
     #: Synchronous steps only (the CUDA runner sets this once configured for async batching).
     async_mode = False
+    #: Whether `execute` returns prompt logprobs for requests that ask (`Engine.submit(prompt_logprobs=k)`).
+    supports_prompt_logprobs = True
 
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
         register()
@@ -136,8 +138,14 @@ class ModelRunner:
             return StepResult({}, timings, copied)
         batch = build_step_batch(work.plan.scheduled, self.cache, self.store, self.device)
         t2 = time.perf_counter()
-        keep = batch.logits_indices if self.supports_logits_to_keep else None
+        extra, targets = _prompt_logprob_rows(work.plan.scheduled, batch)
+        rows = batch.logits_indices
+        if extra:
+            rows = torch.cat([rows, torch.tensor(extra, dtype=torch.long, device=rows.device)])
+        keep = rows if self.supports_logits_to_keep else None
         fwd = self._compiled[1 if all(s.num_tokens == 1 for s in work.plan.scheduled) else 0]
+        if extra:
+            fwd = None  # eager: the compiled forward is specialised on the sampling rows
         if fwd is not None:
             logits = fwd(batch.input_ids, batch.position_ids, keep, batch)
         else:
@@ -147,11 +155,50 @@ class ModelRunner:
                              attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
             logits = out.logits[0]
         if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, batch.logits_indices)
+            logits = logits.index_select(0, rows)
+        prompt_lps = _prompt_logprobs(logits[len(batch.logits_indices):], targets) if extra else {}
+        logits = logits[:len(batch.logits_indices)]
         t3 = time.perf_counter()
         entries = batch.sample_entries
         toks, report = self.sampler.sample(logits, entries)
         tokens, logprobs, invalid = unpack(entries, toks.tolist(), report.data.tolist(), report.max_logprobs)
         t4 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
-        return StepResult(tokens, timings, copied, logprobs=logprobs, invalid=invalid)
+        return StepResult(tokens, timings, copied, logprobs=logprobs, invalid=invalid, prompt_logprobs=prompt_lps)
+
+
+def _prompt_logprob_rows(entries: list, batch: Any) -> tuple[list[int], list[tuple[str, int, int, int]]]:
+    """The flat-batch rows whose logits give prompt logprobs: for each request that asks, the rows of its chunk at
+    prompt positions p (p + 1 < prompt length, p + 1 not yet recorded), predicting the prompt token at p + 1.
+    Returns (rows, [(request id, position p + 1, target token, k)] in the same order)."""
+    rows: list[int] = []
+    targets: list[tuple[str, int, int, int]] = []
+    a = 0
+    for s in entries:
+        req = s.request
+        recorded = req.prompt_logprobs
+        if recorded is not None:
+            prompt = req.prompt_ids
+            for p in range(max(s.start, len(recorded)), min(s.end, len(prompt) - 1)):
+                rows.append(a + p - s.start)
+                targets.append((req.request_id, p + 1, int(prompt[p + 1]), int(req.prompt_logprobs_k or 0)))
+        a += s.end - s.start
+    return rows, targets
+
+
+def _prompt_logprobs(logits: torch.Tensor, targets: list[tuple[str, int, int, int]]) -> dict[str, list]:
+    """request id -> [(position, TokenLogprob)] from the raw logits of the prompt rows (float32 log_softmax)."""
+    from ..requests import TokenLogprob
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor([t[2] for t in targets], dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    k_max = min(max(t[3] for t in targets), lp.shape[-1])
+    top_v, top_i = (lp.topk(k_max, dim=-1) if k_max else (None, None))
+    top_v = top_v.tolist() if k_max else None
+    top_i = top_i.tolist() if k_max else None
+    out: dict[str, list] = {}
+    for r, (rid, pos, tok, k) in enumerate(targets):
+        top = tuple(zip(top_i[r][:k], top_v[r][:k])) if k else ()
+        out.setdefault(rid, []).append((pos, TokenLogprob(tok, chosen[r], top)))
+    return out

@@ -1,14 +1,20 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over one engine.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`, `GET /metrics`.
+Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`,
+`POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /health`, `GET /metrics`. A request's `model` may be the
+served name or one of its aliases (`model_aliases_of`: e.g. the Hugging Face id of a bundled model).
 Every route but `/health` needs the API key when one is set. Each generation request is an ordinary engine request
 (id ``http-N``, source ``"http <host>:<port>"`` of the client, plus ``user=`` when the body names one): the
 dashboard's board and the engine's stats show it like any other. Its life:
 
     body (<= max_body_bytes, else 413) -> JSON object (400) -> schema (400 naming the field) -> model (404)
-    -> engine up (503) -> a concurrency slot (429) -> tokenize on the server's worker thread -> prompt and
-    max_tokens limits (400) -> engine.submit (429 when its queue is full) -> stream or collect the deltas,
-    watching for the client's disconnect (-> the request is cancelled, its blocks freed)
+    -> engine up (503) -> a concurrency slot (429) -> tokenize each prompt on the server's worker thread ->
+    prompt and max_tokens limits (400) -> engine.submit, one engine request per (prompt, choice) (429 when its
+    queue is full; a failure cancels those already queued) -> stream or collect the deltas, watching for the
+    client's disconnect (-> the requests are cancelled, their blocks freed)
+
+With `n` > 1, a prompt's first choice is submitted alone and its siblings once it has produced its first token
+(`PrimedHandle`): its prompt blocks are then in the prefix cache, so the prompt is computed once, not n times.
 
 No failure inside one request reaches the engine or another request: each handler turns any exception into an
 error response (500 for the unexpected, logged).
@@ -16,6 +22,7 @@ error response (500 for the unexpected, logged).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -33,7 +40,7 @@ from .counters import ServerCounters
 from .metrics import CONTENT_TYPE, EngineCollector, render
 from .protocol import ApiError, GenerationRequest
 from .settings import ServerSettings
-from .generation import Generation, Slot
+from .generation import Generation, PrimedHandle, Slot, TokenText
 from .sse import ClientGone, EventStream, until_disconnect
 
 __all__ = ["ServerContext", "build_app"]
@@ -64,6 +71,8 @@ class ServerContext:
         self.counters = ServerCounters()
         self.collector = EngineCollector(engine, self.counters, connections)
         self.model_name = settings.model_name or model_name_of(engine)
+        self.aliases = [a for a in model_aliases_of(engine) if a != self.model_name]
+        self.token_text = TokenText(getattr(engine, "tokenizer", None))
         self.engine_args = frozenset(inspect.signature(engine.submit).parameters)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted
         self.closing = False
@@ -78,6 +87,52 @@ class ServerContext:
     @property
     def max_positions(self) -> int | None:
         return getattr(self.engine, "max_positions", None)
+
+    @property
+    def model_ids(self) -> list[str]:
+        """The served name, then its aliases: every `model` a request may name."""
+        return [self.model_name, *self.aliases]
+
+    def check_model(self, model: str | None) -> str:
+        """The model id to echo in a response: `model` when it is the served name or an alias, the served name
+        when None.
+
+        Raises:
+            ApiError: 404 "model_not_found" for any other name.
+        """
+        if model is None:
+            return self.model_name
+        if model in self.model_ids:
+            return model
+        listed = " or ".join(f"'{m}'" for m in self.model_ids)
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves {listed}", param="model",
+                       code="model_not_found")
+
+    def card(self, model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": self.created, "owned_by": "cbnb",
+                "root": self.model_name, "max_model_len": self.max_positions}
+
+
+# Bundled models (cbnb.load_model names) -> the Hugging Face id of the model they hold, accepted as an alias.
+HF_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+
+
+def model_aliases_of(engine: Any) -> list[str]:
+    """Other names of the served model: its folder or hub name (last part), the full hub id when it was loaded
+    from the hub ("owner/name"), and the Hugging Face id of a bundled model (`HF_IDS`)."""
+    import os
+
+    cfg = getattr(getattr(engine, "model", None), "config", None)
+    path = str(getattr(cfg, "_name_or_path", "") or "").rstrip("/")
+    if not path:
+        return []
+    last = path.rsplit("/", 1)[-1]
+    out = [last]
+    if path.count("/") == 1 and not os.path.exists(path):  # a hub id, not a local folder
+        out.append(path)
+    if last in HF_IDS:
+        out.append(HF_IDS[last])
+    return list(dict.fromkeys(out))
 
 
 def model_name_of(engine: Any) -> str:
@@ -104,7 +159,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        route = path if path in _ROUTES else "other"
+        route = _route_of(path)
         counters = self.ctx.counters
 
         async def counted(msg: dict) -> None:
@@ -152,9 +207,21 @@ def build_app(ctx: ServerContext) -> Any:
     """The ASGI app for one `ServerContext` (Starlette routes wrapped in `Gate`)."""
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "cbnb",
-            "max_model_len": ctx.max_positions}]})
+        return JSONResponse({"object": "list", "data": [ctx.card(m) for m in ctx.model_ids]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in ctx.model_ids:
+            return error_response(ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                           + " or ".join(f"'{m}'" for m in ctx.model_ids), param="model",
+                                           code="model_not_found"))
+        return JSONResponse(ctx.card(name))
+
+    async def tokenize(request: Request) -> Any:
+        return await _guarded_call(lambda: _tokenize(ctx, request))
+
+    async def detokenize(request: Request) -> Any:
+        return await _guarded_call(lambda: _detokenize(ctx, request))
 
     async def health(request: Request) -> Response:
         state = ctx.engine.state
@@ -184,6 +251,9 @@ def build_app(ctx: ServerContext) -> Any:
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -193,7 +263,75 @@ def build_app(ctx: ServerContext) -> Any:
     return Gate(app, ctx)
 
 
-_ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+_ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/tokenize",
+           "/detokenize"}
+
+
+def _route_of(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+async def _guarded_call(work: Callable[[], Any]) -> Any:
+    try:
+        return await work()
+    except ApiError as e:
+        return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except Exception as e:  # never let one request's failure escape
+        log.exception("request failed")
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+
+async def _tokenize(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's `POST /tokenize`: {model?, prompt, add_special_tokens=true} or {model?, messages,
+    add_generation_prompt=true, add_special_tokens=false} -> {count, max_model_len, tokens, token_strs=null}."""
+    obj = protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes))
+    body = protocol.parse_tokenize(obj)
+    ctx.check_model(body.model)
+    tok = getattr(ctx.engine, "tokenizer", None)
+    if tok is None:
+        raise ApiError(400, "this engine has no tokenizer: nothing to tokenize with", param="prompt",
+                       code="no_tokenizer")
+
+    def work() -> list[int]:
+        field = "prompt" if body.prompt is not None else "messages"
+        try:
+            if body.prompt is not None:
+                return list(tok(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"])
+            msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
+                    for m in body.messages]
+            gen = body.add_generation_prompt is not False
+            if body.add_special_tokens:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+                return list(tok(text, add_special_tokens=True)["input_ids"])
+            out = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        except Exception as e:  # the tokenizer's or the template's error is the request's problem
+            raise protocol.invalid(field, f"cannot tokenize {field}: {e}") from None
+
+    ids = await ctx.run_blocking(work)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_positions, "tokens": ids, "token_strs": None})
+
+
+async def _detokenize(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's `POST /detokenize`: {model?, tokens} -> {prompt} (special tokens kept in the text)."""
+    obj = protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes))
+    body = protocol.parse_detokenize(obj)
+    ctx.check_model(body.model)
+    tok = getattr(ctx.engine, "tokenizer", None)
+    if tok is None:
+        raise ApiError(400, "this engine has no tokenizer: nothing to detokenize with", param="tokens",
+                       code="no_tokenizer")
+    vocab = getattr(ctx.engine, "vocab_size", None)
+    bad = next((i for i in body.tokens if i < 0 or (vocab is not None and i >= vocab)), None)
+    if bad is not None:
+        raise protocol.invalid("tokens", f"tokens must be token ids in [0, {vocab - 1 if vocab else '...'}]; "
+                               f"got {bad}")
+    text = await ctx.run_blocking(lambda: tok.decode(body.tokens))
+    return JSONResponse({"prompt": text})
 
 
 async def _guarded(ctx: ServerContext, request: Request, kind: str) -> Any:
@@ -222,23 +360,45 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     s = ctx.settings
     obj = protocol.parse_json(await _read_body(request, s.max_body_bytes))
     g = protocol.parse_request(kind, obj, ctx.engine_args)
-    if g.model is not None and g.model != ctx.model_name:
-        raise ApiError(404, f"The model '{g.model}' does not exist; this server serves '{ctx.model_name}'",
-                       param="model", code="model_not_found")
+    model = ctx.check_model(g.model)
     _check_engine(ctx)
     if ctx.counters.snapshot()["in_flight"] >= s.max_concurrent_requests:
         raise ApiError(429, f"{s.max_concurrent_requests} requests are in flight (max_concurrent_requests): retry "
                        "later", type="rate_limit_error", code="rate_limit_exceeded", headers={"retry-after": "1"})
+    _check_stop_token_ids(ctx, g)
     peer = request.client
     slot = Slot(ctx.counters, peer.host if peer is not None else "unknown")  # clients: distinct addresses
+    handles: list[Any] = []
     try:
-        ids = await until_disconnect(request.receive, ctx.run_blocking(_encode, ctx.engine, g))
-        max_new = _check_lengths(ctx, g, len(ids))
-        handle = _submit(ctx, g, ids, max_new, f"{peer.host}:{peer.port}" if peer is not None else "unknown")
+        prompts = await until_disconnect(request.receive, ctx.run_blocking(_encode_all, ctx.engine, g))
+        limits = [_check_lengths(ctx, g, len(ids), i if len(prompts) > 1 else None) for i, ids in enumerate(prompts)]
+        if g.max_tokens == 0:  # echo alone: the engine generates one token, which the answer leaves out
+            limits = [1] * len(limits)
+        client = f"{peer.host}:{peer.port}" if peer is not None else "unknown"
+        grid: list[list[Any]] = []
+        for ids, max_new in zip(prompts, limits):
+            first = _submit(ctx, g, ids, max_new, client, 0)
+            handles.append(first)
+            grid.append([first])
+        rows = [row for row, ids in zip(grid, prompts) if g.n > 1 and _shares_prefixes(ctx.engine, len(ids))]
+        if rows:
+            # A prompt's siblings are submitted once its first choice has computed it: its full blocks are then in
+            # the prefix cache, and each sibling computes only the prompt's last, partial block.
+            for row in rows:
+                row[0] = PrimedHandle(row[0])
+            await until_disconnect(request.receive, asyncio.gather(*(row[0].prime() for row in rows)))
+        for row, ids, max_new in zip(grid, prompts, limits):
+            for j in range(1, g.n):
+                h = _submit(ctx, g, ids, max_new, client, j)
+                handles.append(h)
+                row.append(h)
     except BaseException:
+        for h in handles:  # a batch is all or nothing: the requests already queued are cancelled
+            h.cancel()
+            ctx.live.pop(h.request_id, None)
         slot.release()
         raise
-    run = Generation(handle, g, slot, ctx.model_name, ctx.live, lambda: ctx.closing)
+    run = Generation([h for row in grid for h in row], g, slot, model, ctx.live, lambda: ctx.closing, ctx.token_text)
     if g.stream:
         return EventStream(run.stream, on_close=lambda gone: run.close())
     try:
@@ -260,18 +420,49 @@ def _check_engine(ctx: ServerContext) -> None:
         raise ApiError(503, f"{why}: no request is accepted", type="server_error", code="engine_unavailable")
 
 
-def _encode(engine: Any, g: GenerationRequest) -> list[int]:
+def _encode_all(engine: Any, g: GenerationRequest) -> list[list[int]]:
+    """Token ids of each prompt (on the worker thread)."""
     field = "prompt" if g.kind == "completion" else "messages"
-    try:
-        return engine.encode(g.prompt, chat=g.kind == "chat") if isinstance(g.prompt, str) else engine.encode(g.prompt)
-    except Exception as e:  # tokenizer or chat-template errors are the request's problem
-        raise protocol.invalid(field, f"cannot tokenize {field}: {e}") from None
+    out = []
+    for i, prompt in enumerate(g.prompts):
+        where = f"{field}[{i}]" if len(g.prompts) > 1 else field
+        try:
+            out.append(engine.encode(prompt, chat=g.kind == "chat") if isinstance(prompt, str)
+                       else engine.encode(prompt))
+        except Exception as e:  # tokenizer or chat-template errors are the request's problem
+            raise protocol.invalid(where, f"cannot tokenize {where}: {e}") from None
+    return out
 
 
-def _check_lengths(ctx: ServerContext, g: GenerationRequest, n_prompt: int) -> int | None:
+def _shares_prefixes(engine: Any, n_prompt: int) -> bool:
+    """Whether a prompt of `n_prompt` tokens leaves full blocks in the engine's prefix cache for later requests."""
+    cfg = getattr(engine, "config", None)
+    page = getattr(cfg, "page_size", None)
+    return bool(getattr(cfg, "allow_block_sharing", False)) and page is not None and n_prompt >= page
+
+
+def _check_stop_token_ids(ctx: ServerContext, g: GenerationRequest) -> None:
+    vocab = getattr(ctx.engine, "vocab_size", None)
+    bad = [i for i in g.stop_token_ids or () if vocab is not None and i >= vocab]
+    if bad:
+        raise protocol.invalid("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab - 1}]; got {bad[0]}")
+
+
+def _eos_with(engine: Any, extra: list[int]) -> list[int]:
+    """The engine's EOS ids for a request (the generation config's, else the model's) plus `extra`."""
+    base = getattr(getattr(engine, "generation_defaults", None), "eos_token_id", None)
+    if base is None:
+        base = getattr(engine, "default_eos", None)
+    ids = [base] if isinstance(base, int) else list(base or ())
+    return sorted(set(ids) | set(extra))
+
+
+def _check_lengths(ctx: ServerContext, g: GenerationRequest, n_prompt: int, index: int | None = None) -> int | None:
     """Prompt and generation limits; returns max_new_tokens for the engine."""
     s, ctx_len = ctx.settings, ctx.max_positions
     field = "prompt" if g.kind == "completion" else "messages"
+    if index is not None:
+        field = f"{field}[{index}]"
     limit = s.max_prompt_tokens or (ctx_len - 1 if ctx_len else None)
     if limit is not None and n_prompt > limit:
         src = "max_prompt_tokens" if s.max_prompt_tokens else "the model's context minus one"
@@ -291,11 +482,24 @@ def _check_lengths(ctx: ServerContext, g: GenerationRequest, n_prompt: int) -> i
     return min(bounds) if bounds else None
 
 
-def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: int | None, client: str) -> Any:
+# engine.submit keyword -> the request field it came from (for the `param` of an error the engine raises)
+_FIELD_OF = {"min_new_tokens": "min_tokens", "eos_token_id": "stop_token_ids", "logit_bias": "logit_bias",
+             "repetition_penalty": "repetition_penalty", "min_p": "min_p", "top_k": "top_k", "top_p": "top_p",
+             "temperature": "temperature", "seed": "seed", "stop": "stop", "logprobs": "logprobs",
+             "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+             "prompt_logprobs": "echo"}
+
+
+def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: int | None, client: str,
+            choice: int = 0) -> Any:
     from ..engine import EngineStoppedError
 
     rid = f"http-{next(_REQUEST_IDS)}"
     kw = dict(g.submit_kwargs)
+    if "seed" in kw:
+        kw["seed"] = g.seed_of(choice)  # each choice its own stream
+    if g.stop_token_ids:
+        kw["eos_token_id"] = _eos_with(ctx.engine, g.stop_token_ids)
     if "source" in ctx.engine_args:  # the engine records where a request came from (shown on the board)
         kw["source"] = f"http {client}" + (f" user={g.user}" if g.user else "")
     try:
@@ -306,6 +510,8 @@ def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: i
     except EngineStoppedError as e:
         raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
     except ValueError as e:
-        raise protocol.invalid("prompt" if g.kind == "completion" else "messages", str(e)) from None
+        msg = str(e)
+        param = next((f for arg, f in _FIELD_OF.items() if msg.startswith(arg) and arg in kw), None)
+        raise protocol.invalid(param or ("prompt" if g.kind == "completion" else "messages"), msg) from None
     ctx.live[rid] = handle
     return handle

@@ -1,17 +1,41 @@
-"""One generation request's run: the engine handle's deltas -> text pieces (stop strings applied) -> an OpenAI
-response body or a stream of chunks (one per text delta, then finish_reason, usage when asked, [DONE])."""
+"""One HTTP generation request's run: one engine request per choice; each choice's deltas -> text pieces (stop
+strings applied) with their logprobs -> an OpenAI response body, or a stream of chunks (one per text delta of any
+choice, tagged with the choice's `index`; a finish_reason chunk per choice; usage when asked; [DONE]).
+
+Logprob shapes (OpenAI's), built by `TokenText` from the engine's `TokenLogprob`s (natural log, after the request's
+logits processors):
+
+- chat: ``choices[i].logprobs = {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+  "bytes"}, ...]}, ...], "refusal": None}``; `top_logprobs` has the request's `top_logprobs` alternatives (fewer when
+  the processors ruled tokens out), most likely first.
+- completions: ``choices[i].logprobs = {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob},
+  ...], "text_offset": [...]}``; each dict holds the `logprobs` most likely tokens and the sampled one (so up to
+  logprobs + 1 entries, as OpenAI's API); `text_offset` is the character offset of each token in the choice's text
+  (counted over the tokens' bytes decoded as UTF-8, an unfinished character counting as one: a token that finishes
+  a character another token began points just past it). With `echo`, the prompt's tokens come first (the first
+  with null logprob and null top_logprobs: nothing predicts it), from the engine's `prompt_logprobs` (the model's
+  raw distribution).
+
+A token's string is ``tokenizer.decode([id])`` (special tokens included), except for a token that holds only part
+of a UTF-8 character: its string names its bytes, ``"bytes:\\xe2\\x80"`` (OpenAI's form; U+FFFD would make such tokens
+indistinguishable). `bytes` are the token's raw bytes (exact for byte-level BPE tokenizers, else the UTF-8 of its
+decoded string). Without a tokenizer the string is ``"token_id:<id>"``.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import codecs
+import functools
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from .counters import ServerCounters
 from .protocol import ApiError, GenerationRequest
 from .sse import DONE, sse
 from .stops import StopMatcher
 
-__all__ = ["Generation", "Slot"]
+__all__ = ["Generation", "Choice", "PrimedHandle", "Slot", "TokenText"]
 
 _FINISH = {"eos": "stop", "length": "length", "stop": "stop"}
 
@@ -29,61 +53,169 @@ class Slot:
             self.counters.on_end(self.client, self.tokens)
 
 
-class Generation:
-    """Consumes one request's deltas for a streamed or a collected response.
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's scheme: printable Latin-1
+    bytes stand for themselves, the other bytes for 256, 257, ... in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class TokenText:
+    """A token id's string and bytes for logprob entries (cached per id).
 
     Args:
-        handle: the engine's `RequestHandle`.
-        g: the parsed request.
-        slot: its concurrency `Slot` (released by `close`).
-        model_name: the served model id, echoed in responses.
-        live: the server's map of live handles (this request is removed from it by `close`).
-        closing: returns True while the server is stopping (explains a cancellation).
+        tokenizer: a transformers tokenizer, or None (strings are then ``"token_id:<id>"``).
     """
 
-    def __init__(self, handle: Any, g: GenerationRequest, slot: Slot, model_name: str, live: dict[str, Any],
-                 closing: Callable[[], bool]) -> None:
-        self.handle, self.g, self.slot, self.model_name, self.live, self.closing = (
-            handle, g, slot, model_name, live, closing)
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self.text = functools.lru_cache(maxsize=65536)(self._text)
+        self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
+
+    def _decoded(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _text(self, tid: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{tid}"
+        text = self._decoded(tid)
+        if "\ufffd" in text:  # part of a UTF-8 character: name its bytes (OpenAI's form), not U+FFFD
+            raw = bytes(self._bytes(tid))
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
+    def _bytes(self, tid: int) -> list[int]:
+        if self.tokenizer is None:
+            return list(f"token_id:{tid}".encode())
+        if self.byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(tid)
+            table = _byte_decoder()
+            if isinstance(piece, str) and piece and all(c in table for c in piece):
+                return [table[c] for c in piece]
+        return list(self._decoded(tid).encode("utf-8"))
+
+    def chat_entry(self, lp: Any) -> dict[str, Any]:
+        """OpenAI's chat `logprobs.content` entry of one `TokenLogprob`."""
+        return {"token": self.text(lp.token_id), "logprob": lp.logprob, "bytes": self.bytes(lp.token_id),
+                "top_logprobs": [{"token": self.text(t), "logprob": v, "bytes": self.bytes(t)} for t, v in lp.top]}
+
+    def completion_top(self, lp: Any) -> dict[str, float]:
+        """OpenAI's completions `top_logprobs` dict of one `TokenLogprob`: the alternatives and the sampled token."""
+        top = {self.text(t): v for t, v in lp.top}
+        top.setdefault(self.text(lp.token_id), lp.logprob)
+        return top
+
+
+class PrimedHandle:
+    """A `RequestHandle` whose first delta was already awaited (`prime`), so that its prompt's KV blocks are computed
+    and in the prefix cache before sibling choices are submitted; iterating it yields that delta first. Everything
+    else is the handle's."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self._it = handle.__aiter__()
+        self._first: Any = None
+
+    async def prime(self) -> None:
+        try:
+            self._first = await self._it.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    async def __aiter__(self):
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield first
+                if first.finished:
+                    return
+            async for d in self._it:
+                yield d
+        finally:
+            await self._it.aclose()
+
+
+class Choice:
+    """One choice: consumes one engine request's deltas.
+
+    Args:
+        index: the choice's `index` in the response (prompt_i * n + j).
+        handle: the engine's `RequestHandle`.
+        g: the parsed request.
+        closing: returns True while the server is stopping (explains a cancellation).
+        on_tokens: called with the number of new tokens of each delta (for the slot's token count).
+    """
+
+    def __init__(self, index: int, handle: Any, g: GenerationRequest, closing: Callable[[], bool],
+                 on_tokens: Callable[[int], None]) -> None:
+        self.index, self.handle, self.g, self.closing, self.on_tokens = index, handle, g, closing, on_tokens
         self.matcher = StopMatcher(g.stop) if g.stop else None
-        self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + handle.request_id
-        self.created = int(time.time())
         self.prompt_tokens = len(handle.prompt_token_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
         self.text: list[str] = []
+        self.logprobs: list[Any] = []  # TokenLogprob, in order
+        self.offset = 0  # completions' text_offset of the next token: characters of the text so far
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # bytes so far -> whole characters
+        self.discard = g.max_tokens == 0  # echo with max_tokens=0: the engine's one token is not part of the answer
+        self.prompt_logprobs: list[Any] | None = None  # the engine's, for echo (None first)
 
-    async def pieces(self):
-        """Text pieces to send, in order; sets finish_reason or error at the end."""
+    async def pieces(self) -> AsyncIterator[tuple[str, list[Any]]]:
+        """(text, logprobs) to send, in order; sets finish_reason or error at the end."""
         it = self.handle.__aiter__()
         try:
             async for d in it:
+                if self.discard:
+                    if d.finished:
+                        self._outcome()
+                        if self.error is None:
+                            self.finish_reason = "length"
+                    continue
                 self.completion_tokens += len(d.token_ids)
-                self.slot.tokens = self.completion_tokens
+                self.on_tokens(len(d.token_ids))
+                lps = list(d.logprobs or ()) if self.g.logprobs is not None else []
                 text = d.text
                 if self.matcher is not None:
                     text = self.matcher.push(text)
                     if self.matcher.stopped:
                         self.finish_reason = "stop"
-                        self.handle.cancel()  # stop strings live in the server for now: end the engine request
-                        if text:
-                            yield text
+                        self.handle.cancel()  # the server found the stop string: end the engine request
+                        yield text, lps
                         return
                     if d.finished:
                         text += self.matcher.flush()
                 if d.finished:
-                    self._outcome(d)
-                if text:
-                    yield text
+                    self._outcome()
+                if text or lps:
+                    yield text, lps
         finally:
             await it.aclose()
 
-    def _outcome(self, d: Any) -> None:
+    def _outcome(self) -> None:
         out = self.handle.result(timeout=0)
+        self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
         # An engine-side stop string drops the tokens that hold it from the output; they were generated all the same.
-        self.completion_tokens = max(self.completion_tokens, getattr(out, "generated_tokens", 0))
-        self.slot.tokens = self.completion_tokens
+        more = getattr(out, "generated_tokens", 0) - self.completion_tokens
+        if more > 0 and not self.discard:
+            self.completion_tokens += more
+            self.on_tokens(more)
         if out.state.name == "FINISHED":
             self.finish_reason = _FINISH.get(out.finish_reason or "", "stop")
         elif out.state.name == "CANCELLED":
@@ -93,61 +225,195 @@ class Generation:
             self.error = ApiError(500, f"request failed: {out.error}", type="server_error", code="request_failed")
 
     async def collect(self) -> None:
-        async for piece in self.pieces():
-            self.text.append(piece)
+        async for text, lps in self.pieces():
+            self.text.append(text)
+            self.logprobs.extend(lps)
+
+    def _offsets(self, ids: list[int], tt: TokenText) -> list[int]:
+        """Each token's character offset in the text: the characters its predecessors' bytes decode to, an
+        unfinished character counting as one (so a token that finishes a character points just past it)."""
+        out = []
+        for i in ids:
+            pending = bool(self._utf8.getstate()[0])
+            out.append(self.offset + pending)
+            self.offset += len(self._utf8.decode(bytes(tt.bytes(i))))
+        return out
+
+    def echo_logprobs(self, tt: TokenText) -> dict[str, list]:
+        """Completions' logprob lists of the prompt's tokens (echo): the first token has none (null)."""
+        ids = self.handle.prompt_token_ids
+        lps = self.prompt_logprobs or [None] * len(ids)
+        tokens = [tt.text(i) for i in ids]
+        offsets = self._offsets(ids, tt)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": [None if lp is None else tt.completion_top(lp) for lp in lps],
+                "text_offset": offsets}
+
+    def logprobs_body(self, lps: list[Any], tt: TokenText) -> dict[str, Any] | None:
+        """The OpenAI `logprobs` object of these tokens (None when the request did not ask for logprobs)."""
+        if self.g.logprobs is None:
+            return None
+        if self.g.kind == "chat":
+            return {"content": [tt.chat_entry(lp) for lp in lps], "refusal": None}
+        tokens = [tt.text(lp.token_id) for lp in lps]
+        offsets = self._offsets([lp.token_id for lp in lps], tt)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [tt.completion_top(lp) for lp in lps], "text_offset": offsets}
+
+
+class Generation:
+    """The choices of one HTTP request, for a streamed or a collected response.
+
+    Args:
+        handles: the engine's `RequestHandle`s, in choice-index order (prompt_i * n + j).
+        g: the parsed request.
+        slot: its concurrency `Slot` (released by `close`).
+        model_name: the model id echoed in responses.
+        live: the server's map of live handles (these requests are removed from it by `close`).
+        closing: returns True while the server is stopping (explains a cancellation).
+        tokens: a `TokenText` for logprob entries.
+    """
+
+    def __init__(self, handles: list[Any], g: GenerationRequest, slot: Slot, model_name: str,
+                 live: dict[str, Any], closing: Callable[[], bool], tokens: TokenText) -> None:
+        self.handles, self.g, self.slot, self.model_name, self.live, self.tokens = (
+            handles, g, slot, model_name, live, tokens)
+        self.choices = [Choice(i, h, g, closing, self._count) for i, h in enumerate(handles)]
+        self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + handles[0].request_id
+        self.created = int(time.time())
+        # usage: each prompt once (its n choices share it), every choice's generated tokens
+        self.prompt_tokens = sum(c.prompt_tokens for c in self.choices[::g.n])
+        self.error: ApiError | None = None
+
+    def _count(self, k: int) -> None:
+        self.slot.tokens += k
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    async def collect(self) -> None:
+        await asyncio.gather(*(c.collect() for c in self.choices))
+        self.error = next((c.error for c in self.choices if c.error is not None), None)
 
     def close(self) -> None:
-        """Cancel the engine request if it is still running (client gone, error) and free the slot."""
-        if not self.handle.done():
-            self.handle.cancel()
-        self.live.pop(self.handle.request_id, None)
+        """Cancel the engine requests still running (client gone, error) and free the slot."""
+        for h in self.handles:
+            if not h.done():
+                h.cancel()
+            self.live.pop(h.request_id, None)
         self.slot.release()
 
     # -------------------------------------------------------------------------------- response bodies
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        done = self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
                 "system_fingerprint": None}
 
     def response(self) -> dict[str, Any]:
-        text = "".join(self.text)
-        if self.g.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": self.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        out = []
+        for c in self.choices:
+            head = c.echo_logprobs(self.tokens) if self.g.echo and self.g.logprobs is not None else None
+            text, lp = "".join(c.text), c.logprobs_body(c.logprobs, self.tokens)
+            if self.g.echo:
+                text = self._prompt_text(c) + text
+            if head is not None:
+                lp = {k: head[k] + lp[k] for k in head}
+            if self.g.kind == "completion":
+                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+        obj = "text_completion" if self.g.kind == "completion" else "chat.completion"
+        return {**self._head(obj), "choices": out, "usage": self.usage()}
 
-    def _chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def _prompt_text(self, c: Choice) -> str:
+        prompt = self.g.prompts[c.index // self.g.n]
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.tokens.tokenizer
+        return tok.decode(list(prompt)) if tok is not None else ""
+
+    def _chunk(self, c: Choice, text: str | None, finish: str | None, lps: list[Any] | None = None,
+               first: bool = False) -> dict[str, Any]:
+        lp = c.logprobs_body(lps, self.tokens) if lps else None
         if self.g.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            c = {**self._head("text_completion"), "choices": [choice]}
+            choice: dict[str, Any] = {"index": c.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            chunk = {**self._head("text_completion"), "choices": [choice]}
         else:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            c = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
         if self.g.include_usage:
-            c["usage"] = self.usage() if self.g.continuous_usage else None
-        return c
+            chunk["usage"] = self.usage() if self.g.continuous_usage else None
+        return chunk
 
     async def stream(self, emit: Callable[[bytes], Any]) -> None:
-        """Send one chunk per text delta, a last chunk with finish_reason, the usage chunk if asked, [DONE]."""
+        """Send each choice's chunks as its deltas come (a role chunk first for chat, one chunk per text delta, a
+        finish_reason chunk), the usage chunk if asked, [DONE]. The first failed choice ends the stream with its
+        error (the other choices are cancelled by `close`)."""
         if self.g.kind == "chat":
-            await emit(sse(self._chunk("", None, first=True)))
-        async for piece in self.pieces():
-            await emit(sse(self._chunk(piece, None)))
+            for c in self.choices:
+                await emit(sse(self._chunk(c, "", None, first=True)))
+        if len(self.choices) == 1:
+            await self._stream_one(self.choices[0], emit)
+        else:
+            await self._stream_many(emit)
         if self.error is not None:
             await emit(sse(self.error.body()))
-        else:
-            await emit(sse(self._chunk(None if self.g.kind == "chat" else "", self.finish_reason)))
-        if self.g.include_usage:
+        elif self.g.include_usage:
             obj = "text_completion" if self.g.kind == "completion" else "chat.completion.chunk"
             await emit(sse({**self._head(obj), "choices": [], "usage": self.usage()}))
         await emit(DONE)
+
+    def _final(self, c: Choice) -> dict[str, Any]:
+        return self._chunk(c, None if self.g.kind == "chat" else "", c.finish_reason)
+
+    async def _stream_one(self, c: Choice, emit: Callable[[bytes], Any]) -> None:
+        async for text, lps in c.pieces():
+            await emit(sse(self._chunk(c, text, None, lps)))
+        self.error = c.error
+        if c.error is None:
+            await emit(sse(self._final(c)))
+
+    async def _stream_many(self, emit: Callable[[bytes], Any]) -> None:
+        events: asyncio.Queue = asyncio.Queue()
+
+        failures: list[BaseException] = []
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for piece in c.pieces():
+                    await events.put((c, piece))
+            except Exception as e:  # raised in the stream's own task below
+                failures.append(e)
+            finally:
+                await events.put((c, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            left = len(tasks)
+            while left:
+                c, piece = await events.get()
+                if piece is not None:
+                    await emit(sse(self._chunk(c, piece[0], None, piece[1])))
+                    continue
+                left -= 1
+                if failures:
+                    raise failures[0]
+                if c.error is not None:
+                    self.error = c.error
+                    return
+                await emit(sse(self._final(c)))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,12 +7,17 @@ HTTP status and the body OpenAI's API would send::
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
 Schemas follow the OpenAI API reference for `POST /v1/completions` and `POST /v1/chat/completions`, plus vLLM's
-extensions `top_k`, `ignore_eos` and `min_tokens` (load generators such as GuideLLM send `ignore_eos`). Unknown
-fields are refused (400, naming the field), never ignored. Fields the engine cannot honour yet (`logprobs`,
-penalties, `logit_bias`, `min_tokens`, `n` > 1, tools, ...) are parsed and range-checked, and then either mapped to
-an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or answered with 400 "not supported yet:
-<field>" when the value would change the output; a neutral value (`frequency_penalty=0`, `n=1`, `logprobs=null`)
-is accepted.
+extra sampling fields (`VLLM_FIELDS`: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`; load generators such as GuideLLM send
+`ignore_eos`). OpenAI's metadata fields that do not change the output (`METADATA_FIELDS`: `metadata`, `store`,
+`service_tier`, `user`, ...) are accepted and ignored. Unknown fields are refused (400, naming the field), never
+ignored. Fields the engine cannot honour (`suffix`, `best_of` > 1, tools, `echo` with `stream`, ...) are parsed and
+range-checked, and then either mapped to an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or
+answered with 400 "not supported yet: <field>" when the value would change the output; a neutral value
+(`best_of=1`, `suffix=""`, `tool_choice="none"`) is accepted.
+
+Several outputs: `n` choices per prompt, and for completions a batch of prompts (`prompt` as a list of strings or
+of token-id lists); each (prompt, choice) is one engine request, at most `MAX_CHOICES` of them per HTTP request.
 
 Sampling: `temperature=0` is greedy, and so is any temperature below 1e-5 (as in vLLM: dividing float32 logits by
 a temperature near 1e-38 overflows to inf and the sampler's probabilities become NaN); any other temperature
@@ -28,12 +33,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBody", "parse_json", "parse_request",
-           "ENGINE_ARGS", "error_body"]
+           "ENGINE_ARGS", "METADATA_FIELDS", "VLLM_FIELDS", "MAX_CHOICES", "error_body"]
 
 INT64 = 2**63
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
 MAX_STOP_CHARS = 256  # per stop sequence: the server searches each streamed piece for them
+MAX_CHOICES = 128  # engine requests per HTTP request: prompts x n
+MAX_STOP_TOKEN_IDS = 64
+
+# OpenAI fields that describe the request for the caller's own records: accepted, never change the output.
+METADATA_FIELDS = ("metadata", "store", "service_tier", "user", "prompt_cache_key", "safety_identifier")
+# vLLM's extra sampling fields this server takes (besides OpenAI's own).
+VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "skip_special_tokens", "include_stop_str_in_output")
 
 # OpenAI field -> the `engine.submit` keyword that implements it (used when the engine's signature has it; the
 # issue "generation parity" adds these to the engine).
@@ -104,10 +117,38 @@ class _Body(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
-    # vLLM extensions
+    # OpenAI metadata: accepted, ignored (METADATA_FIELDS)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    safety_identifier: str | None = Field(None, max_length=256)
+    # vLLM extensions (VLLM_FIELDS)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > 16:  # OpenAI's limits: 16 pairs, keys <= 64 and values <= 512 characters
+            raise ValueError(f"at most 16 key-value pairs; got {len(v)}")
+        for k, val in (v or {}).items():
+            if len(k) > 64 or len(val) > 512:
+                raise ValueError("keys must have at most 64 characters and values at most 512")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError("token ids must be >= 0")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -142,9 +183,11 @@ class StreamOptions(BaseModel):
 
 
 class CompletionBody(_Body):
-    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a one-element list of either."""
+    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a batch: a non-empty list of strings
+    and/or token-id lists (validated into a list of prompts)."""
 
     prompt: Any
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (the prompt's logprobs alone)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -152,16 +195,18 @@ class CompletionBody(_Body):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one
-        if isinstance(v, str):
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        def one(p: Any) -> bool:
+            return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in p))
+
+        if one(v):
+            return [v]
+        if isinstance(v, list) and v and all(one(p) for p in v):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts in one request; got {len(v)}")
             return v
-        if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-            return v
-        if isinstance(v, list) and v and all(isinstance(i, (str, list)) for i in v):
-            raise ValueError("several prompts in one request are not supported yet: send one request per prompt")
-        raise ValueError("must be a non-empty string or a non-empty list of token ids")
+        raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
 
 
 class ChatMessage(BaseModel):
@@ -198,6 +243,25 @@ class ChatCompletionBody(_Body):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's `POST /tokenize`: `prompt` (text) or `messages` (the chat template applied), not both."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool | None = None  # messages only; default true
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's `POST /detokenize`: `tokens`, a list of token ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=1 << 20)
+
+
 _Body.model_rebuild()
 CompletionBody.model_rebuild()
 ChatCompletionBody.model_rebuild()
@@ -210,9 +274,16 @@ class GenerationRequest:
 
     Attributes:
         kind: "completion" or "chat".
-        prompt: text, token ids (completions) or chat messages (list of {"role", "content"} dicts).
+        prompts: the prompts, in order: text or token ids (completions, one or a batch), or one list of chat
+            messages ({"role", "content"} dicts) for chat.
+        n: choices per prompt (each one engine request); the choice of prompt i, number j has index ``i * n + j``.
         max_tokens: tokens to generate at most, or None (chat without a limit: up to the model's context).
-        submit_kwargs: `engine.submit` keyword arguments (sampling, seed, ignore_eos, mapped extensions).
+        submit_kwargs: `engine.submit` keyword arguments (sampling, seed, ignore_eos, mapped extensions); with a
+            seed, choice j is submitted with ``seed + j``.
+        logprobs: the engine's `logprobs` (the number of alternatives per token, 0..20), or None for none.
+        stop_token_ids: token ids that end a choice besides the EOS (vLLM's `stop_token_ids`), or None.
+        echo: completions' `echo`: the prompt comes first in each choice's text (and, with `logprobs`, its tokens'
+            logprobs, from the engine's `prompt_logprobs`); with ``max_tokens == 0`` nothing is generated.
         stop: stop strings the server itself must find in the text (None when the engine handles `stop`).
         stream, include_usage: streaming flags; continuous_usage: usage so far in every chunk (with include_usage).
         model: the model name asked for (None: the served one).
@@ -220,7 +291,7 @@ class GenerationRequest:
     """
 
     kind: str
-    prompt: Any
+    prompts: list[Any]
     max_tokens: int | None
     submit_kwargs: dict[str, Any]
     stop: list[str] | None
@@ -229,6 +300,20 @@ class GenerationRequest:
     continuous_usage: bool
     model: str | None
     user: str | None
+    n: int = 1
+    logprobs: int | None = None
+    stop_token_ids: list[int] | None = None
+    echo: bool = False
+
+    @property
+    def prompt(self) -> Any:
+        """The first prompt (the only one for chat and for a single completion)."""
+        return self.prompts[0]
+
+    def seed_of(self, choice: int) -> int | None:
+        """The seed of choice `choice` (``seed + choice``), or None without a seed."""
+        seed = self.submit_kwargs.get("seed")
+        return None if seed is None else seed + choice
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -299,10 +384,14 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
             kw["top_p"] = body.top_p
         if body.top_k is not None and body.top_k > 0:
             kw["top_k"] = body.top_k
+        if body.min_p:
+            kw["min_p"] = body.min_p
     if body.seed is not None:
         kw["seed"] = body.seed
     if body.ignore_eos:
         kw["ignore_eos"] = True
+    if body.repetition_penalty is not None and body.repetition_penalty != 1:
+        kw["repetition_penalty"] = body.repetition_penalty
     for field, arg in ENGINE_ARGS.items():
         value = getattr(body, field, None)
         if field != "stop" and arg in engine_args and value not in (None, 0, {}):
@@ -311,44 +400,97 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
     if stop and "stop" in engine_args:
         kw["stop"] = stop
         stop = None
+    n = 1 if body.n is None else body.n
     if kind == "completion":
-        prompt: Any = body.prompt
+        prompts: list[Any] = body.prompt
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
+        logprobs = body.logprobs
+        echo = bool(body.echo)
+        if echo and logprobs is not None:
+            kw["prompt_logprobs"] = logprobs
     else:
-        prompt = [{"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
-                  for m in body.messages]
+        prompts = [[{"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
+                    for m in body.messages]]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        echo = False
+    if len(prompts) * n > MAX_CHOICES:
+        raise invalid("n", f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES} "
+                      "per request")
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
     opts = body.stream_options
     if opts is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
-    return GenerationRequest(kind=kind, prompt=prompt, max_tokens=max_tokens, submit_kwargs=kw, stop=stop,
+    return GenerationRequest(kind=kind, prompts=prompts, max_tokens=max_tokens, submit_kwargs=kw, stop=stop,
                              stream=bool(body.stream), include_usage=bool(opts and opts.include_usage),
                              continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
-                             model=body.model, user=body.user)
+                             model=body.model, user=body.user, n=n, logprobs=logprobs,
+                             stop_token_ids=body.stop_token_ids or None, echo=echo)
+
+
+def parse_tokenize(obj: dict[str, Any]) -> TokenizeBody:
+    """Validate a `/tokenize` body.
+
+    Raises:
+        ApiError: 400 naming the field (unknown, wrong type, or neither / both of `prompt` and `messages`).
+    """
+    try:
+        body = TokenizeBody.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("prompt", "send exactly one of prompt (text) and messages (chat)")
+    if body.prompt is not None and body.add_generation_prompt is not None:
+        raise invalid("add_generation_prompt", "add_generation_prompt is only allowed with messages")
+    return body
+
+
+def parse_detokenize(obj: dict[str, Any]) -> DetokenizeBody:
+    """Validate a `/detokenize` body.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    try:
+        return DetokenizeBody.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
 
 
 def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
     """400 "not supported yet" for every field whose value would change the output and that nothing implements."""
-    if body.n not in (None, 1):
-        raise unsupported("n", f" = {body.n} (only n=1)")
     for field in ("presence_penalty", "frequency_penalty", "min_tokens"):
         if getattr(body, field) not in (None, 0) and ENGINE_ARGS[field] not in engine_args:
             raise unsupported(field)
     if body.logit_bias and "logit_bias" not in engine_args:
         raise unsupported("logit_bias")
+    for field, neutral, arg in (("min_p", 0, "min_p"), ("repetition_penalty", 1, "repetition_penalty")):
+        if getattr(body, field) not in (None, neutral) and arg not in engine_args:
+            raise unsupported(field)
+    if body.skip_special_tokens is False:
+        raise unsupported("skip_special_tokens", " = false (special tokens are always left out of the text)")
+    if body.include_stop_str_in_output:
+        raise unsupported("include_stop_str_in_output", " = true (the text always ends before a stop string)")
+    logprobs = body.logprobs if isinstance(body, CompletionBody) else (body.top_logprobs if body.logprobs else None)
+    if logprobs is not None and "logprobs" not in engine_args:
+        raise unsupported("logprobs")
     if isinstance(body, CompletionBody):
-        if body.logprobs not in (None, 0):
-            raise unsupported("logprobs")
-        if body.echo:
-            raise unsupported("echo")
+        if body.echo and body.stream:
+            raise unsupported("echo", " with stream=true (echo works without streaming)")
+        if body.echo and body.logprobs is not None and "prompt_logprobs" not in engine_args:
+            raise unsupported("echo", " with logprobs (the engine does not compute prompt logprobs)")
+        if body.max_tokens == 0 and not body.echo:
+            raise invalid("max_tokens", "max_tokens must be >= 1; 0 is allowed only with echo=true (the prompt "
+                          "alone); got 0")
         if body.suffix:
             raise unsupported("suffix")
         if body.best_of not in (None, 1):
             raise unsupported("best_of", " (only best_of=1)")
     else:
         assert isinstance(body, ChatCompletionBody)
-        if body.logprobs or body.top_logprobs:
-            raise unsupported("logprobs" if body.logprobs else "top_logprobs")
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise unsupported("response_format", " (only {'type': 'text'})")
         if body.tools:
