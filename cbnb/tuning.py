@@ -15,6 +15,10 @@ min-max range over its repeats overlaps no other point's range; otherwise it say
 numbers. Every run starts on a fresh cache (the engine is reconfigured before each run), so a repeat never hits the
 previous repeat's prefix cache. Torch-free.
 
+Failures. A run in which requests failed warns (how many, the first error) and `best` never picks a point with such
+runs (it names the points it skipped); a sweep point the engine cannot take (MemoryError / ValueError from
+``reconfigure`` or the run) is kept in `SweepResult.failed` and the sweep goes on.
+
 The engine protocol. Besides what `cbnb.driver` needs (``submit`` and its handles and outputs), the helpers here
 use, when the engine has them:
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -119,6 +124,10 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         workload_label: stored with the workload (a sweep's name for it).
         extra: stored on the run (sweep, point, repeat, note).
 
+    Warns:
+        UserWarning: some requests FAILED (how many, and the first one's error): the run's figures cover the
+            others only, and `best` will not pick a point with such runs.
+
     Raises:
         TimeoutError: the run did not end within `timeout`.
     """
@@ -130,6 +139,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         _reset_stats(engine, f"workload {workload_label or getattr(workload, 'name', '')}".strip())
     records = driver.run(timeout)
     metrics = summarize(records, slo=slo, duration_s=driver.duration_s)
+    _warn_failed(records, workload)
     stats = engine.stats() if hasattr(engine, "stats") else None
     metrics.update(engine_figures(stats.get("run") if isinstance(stats, Mapping) else None))
     config = getattr(engine, "user_config", None) or getattr(engine, "config", None)
@@ -137,6 +147,15 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     return target.add("run", engine=engine_name(engine), config=config,
                       workload=workload_info(workload, time_scale, workload_label), metrics=metrics, records=records,
                       label=label, **extra)
+
+
+def _warn_failed(records: list[Any], workload: Any) -> None:
+    failed = [r for r in records if getattr(r, "state", None) == "FAILED"]
+    if failed:
+        first = failed[0]
+        warnings.warn(f"{len(failed)} of {len(records)} requests of workload {getattr(workload, 'name', '?')!r} "
+                      f"FAILED; the run's figures cover the others only. First: request {first.index}: "
+                      f"{first.error}", UserWarning, stacklevel=3)
 
 
 def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: float | None = 3600.0,
@@ -175,12 +194,15 @@ def _points(params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]]) -
 
 @dataclass
 class SweepResult:
-    """The runs of one sweep: `points` (config changes), `runs` (in the order they ran)."""
+    """The runs of one sweep: `points` (config changes), `runs` (in the order they ran), and `failed`: the
+    (point, repeat) pairs that could not run, e.g. a config whose cache does not fit (``{"point", "repeat",
+    "workload", "change", "error"}``, in order; not in the run log)."""
 
     sweep_id: str
     points: list[dict[str, Any]]
     runs: list[Run] = field(default_factory=list)
     log: RunLog | None = None
+    failed: list[dict[str, Any]] = field(default_factory=list)
 
     def frame(self):
         """One row per run (point, repeat, the changes, the figures)."""
@@ -236,8 +258,14 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         log: the run log to record into (default: the engine's, `run_log(engine)`).
         clock: the driver's clock for every run (default: as `run_workload`).
 
+    A point the engine cannot take (``reconfigure``, the warm-up or the run raises MemoryError or ValueError, e.g.
+    its cache does not fit) is recorded in `SweepResult.failed` with its error, and the sweep goes on with the next
+    point (the engine keeps its previous config); a warning at the end says which points failed, and `best` names
+    them. Other errors of a run (e.g. TimeoutError) propagate, with the partial result attached to the exception
+    as ``exc.sweep_result``.
+
     Raises:
-        ValueError: repeats < 1 or no points.
+        ValueError: repeats < 1 or no points (or a point's change is not a valid config, before any run).
     """
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}")
@@ -260,13 +288,24 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     for k, (rep, wname, p) in enumerate(order):
         wl = wls[wname]
         full, cfg = configs[p]
-        reconfigure(engine, cfg, log=log)
-        if warmup and wl.num_requests and hasattr(engine, "generate"):
-            prompt = wl.prompts[0]
-            engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
-                            ignore_eos=True)
-        run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                           workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock)
+        try:
+            reconfigure(engine, cfg, log=log)
+            if warmup and wl.num_requests and hasattr(engine, "generate"):
+                prompt = wl.prompts[0]
+                engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
+                                ignore_eos=True)
+            run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
+                               workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock)
+        except (MemoryError, ValueError) as e:
+            result.failed.append({"point": p, "repeat": rep, "workload": wname, "change": change_text(full),
+                                  "error": f"{type(e).__name__}: {e}"})
+            if progress:
+                print(f"[{k + 1}/{len(order)}] {change_text(full)} (repeat {rep + 1}/{repeats}): FAILED "
+                      f"{type(e).__name__}: {e}")
+            continue
+        except BaseException as e:
+            e.sweep_result = result  # type: ignore[attr-defined]  # the runs so far stay reachable
+            raise
         result.runs.append(run)
         if progress:
             m = run.metrics
@@ -275,6 +314,11 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
                   f"goodput {m['goodput_requests_per_s']:.2f} req/s, TTFT p99 {_f(m['ttft_s_p99'])} s, "
                   f"TPOT p99 {_f(m['tpot_s_p99'], 3)} s, {m['output_tokens_per_s']:.1f} out tok/s, "
                   f"soft resets {m.get('soft_resets', 0)}")
+    if result.failed:
+        names = sorted({f["change"] for f in result.failed})
+        warnings.warn(f"{sid}: {len(result.failed)} of {len(order)} runs could not run ({'; '.join(names)}); first "
+                      f"error: {result.failed[0]['error']} (SweepResult.failed has them all)", UserWarning,
+                      stacklevel=2)
     return result
 
 
@@ -300,7 +344,10 @@ class Verdict:
         winner: the winning point's config change (None when it is a tie within noise).
         tie: True when the best point's range overlaps another point's range.
         ranking: [(change text, median, min, max, n)] best first.
-        tied_with: change texts of the points whose ranges overlap the best one's.
+        tied_with: change texts of the points whose ranges overlap the best one's (all of them; the text lists
+            the first `TIE_LIST_MAX`).
+        skipped: (change text, why) of the points left out: runs with failed requests, or points a sweep could not
+            run (`SweepResult.failed`).
         text: the sentence to print.
     """
 
@@ -311,6 +358,7 @@ class Verdict:
     ranking: list[tuple[str, float | None, float | None, float | None, int]]
     tied_with: list[str]
     text: str
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.text
@@ -320,6 +368,30 @@ def _rng(m: float | None, lo: float | None, hi: float | None, digits: int) -> st
     if m is None:
         return "n/a"
     return f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+#: How many tied points `best`'s text lists before "and N more" (`Verdict.tied_with` has them all).
+TIE_LIST_MAX = 5
+
+
+def _listed(items: list[str], limit: int = TIE_LIST_MAX) -> str:
+    if len(items) <= limit:
+        return "; ".join(items)
+    return "; ".join(items[:limit]) + f"; and {len(items) - limit} more"
+
+
+def _failed_requests(g: list[Run]) -> tuple[int, str]:
+    """Failed requests over a group's runs, and the first error."""
+    n, first = 0, ""
+    for r in g:
+        k = int(r.metrics.get("requests_failed") or 0)
+        n += k
+        if k and not first:
+            first = next((getattr(x, "error", None) or (x.get("error") if isinstance(x, Mapping) else None)
+                          for x in r.records if (getattr(x, "state", None) or
+                                                 (x.get("state") if isinstance(x, Mapping) else None)) == "FAILED"),
+                         None) or "no error recorded"
+    return n, first
 
 
 def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *, higher: bool | None = None,
@@ -332,8 +404,13 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         higher: whether higher is better (default: from the name, `cbnb.metrics.higher_is_better`).
         workload: for a sweep over several workloads, the one to judge (its label, e.g. "load 0.9").
 
+    A point any of whose runs had failed requests is not a candidate (its figures cover the other requests only):
+    it is left out of the ranking, and the text says which points were skipped and why; so are the points a sweep
+    could not run (`SweepResult.failed`). A tie lists at most `TIE_LIST_MAX` tied points in the text ("and N more").
+
     Raises:
-        ValueError: fewer than two points, no point has the figure, or a multi-workload sweep without `workload`.
+        ValueError: fewer than two points, no point without failures has the figure, or a multi-workload sweep
+            without `workload`.
     """
     if isinstance(result, SweepResult):
         if workload is None and len(result.workloads) > 1:
@@ -354,11 +431,35 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         changes = dict(points[g[0].point]) if points is not None and g[0].point is not None else dict(g[0].changes)
         name = change_text(changes)
         rows.append((name if g[0].engine == "cbnb" else f"{g[0].engine}: {name}", *s, len(g), changes))
-    have = [r for r in rows if r[1] is not None]
-    if len(rows) < 2:
-        raise ValueError(f"best needs at least two points to compare; got {len(rows)}")
+    skipped: list[tuple[str, str]] = []
+    clean = []
+    for g, row in zip(groups, rows):
+        n, first = _failed_requests(g)
+        if n:
+            skipped.append((row[0], f"{n} failed request{'s' if n > 1 else ''} over {len(g)} run"
+                                    f"{'s' if len(g) > 1 else ''}; first: {first}"))
+        else:
+            clean.append(row)
+    n_points = len(rows)
+    if isinstance(result, SweepResult):
+        named = {row[0] for row in rows}
+        for f in result.failed:
+            if (workload is None or f["workload"] == workload) and f["change"] not in named:
+                named.add(f["change"])
+                skipped.append((f["change"], f"could not run: {f['error']}"))
+                n_points += 1
+    skip_txt = (f" Skipped {len(skipped)} point{'s' if len(skipped) > 1 else ''}: "
+                + _listed([f"{name} ({why})" for name, why in skipped]) + "." if skipped else "")
+    have = [r for r in clean if r[1] is not None]
+    if n_points < 2:
+        raise ValueError(f"best needs at least two points to compare; got {n_points}.{skip_txt}")
     if not have:
-        raise ValueError(f"no run has the figure {figure!r}")
+        raise ValueError(f"no run without failed requests has the figure {figure!r}.{skip_txt}")
+    if len(have) == 1:
+        top = have[0]
+        text = (f"{top[0]} is the only point left to judge on {FIGURE_LABELS.get(figure, figure)}: "
+                f"{_rng(top[1], top[2], top[3], digits)}; not a comparison.{skip_txt}")
+        return Verdict(figure, up, top[5], False, [top[:5]], [], text, skipped)
     have.sort(key=lambda r: r[1], reverse=up)
     ranking = [r[:5] for r in have]
     top = have[0]
@@ -370,14 +471,14 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     one_run = ns[-1] < 2
     simulated = one_run and all(_simulated(r) for g in groups for r in g)  # deterministic: no noise to measure
     if tied:
-        others = "; ".join(f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied)
+        others = _listed([f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied])
         if simulated:  # the figures are equal
             text = (f"Exact tie on {label} (a deterministic simulation, one run per point): {top[0]} "
                     f"{_rng(top[1], top[2], top[3], digits)} equals {others}.")
         else:
             text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} "
                     f"overlaps {others} (median [min-max] over {runs_txt}).")
-        return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text)
+        return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text + skip_txt, skipped)
     second = have[1] if len(have) > 1 else None
     note = ""
     if one_run:
@@ -386,5 +487,5 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
                 else " One run per point: the noise was not measured, so treat this as provisional.")
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
-            f"{runs_txt}; no range overlaps the winner's).{note}")
-    return Verdict(figure, up, top[5], False, ranking, [], text)
+            f"{runs_txt}; no range overlaps the winner's).{note}{skip_txt}")
+    return Verdict(figure, up, top[5], False, ranking, [], text, skipped)

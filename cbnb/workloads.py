@@ -22,7 +22,9 @@ and `from_trace` from a JSONL/CSV trace file (`cbnb.traffic.read_trace` document
 `scale` shrinks a workload for CI and notebooks: request counts and token counts are multiplied by it (at least 1
 request, 1 new token and 4 prompt tokens), keeping the shape of the distribution. Arrival rates are not scaled
 (a scaled-down Poisson workload is a lighter load). Token ids are drawn from ``[FIRST_ID, vocab_size)`` so that
-special tokens (low ids in SmolLM2 and Gemma) are avoided.
+special tokens (low ids in SmolLM2 and Gemma) are avoided; `vocab_size` is the workload model's unless
+``get_workload(name, engine=e)`` is given the engine, whose vocabulary it then fits (a Qwen3-sized id fails
+every request on a Llama-sized vocabulary).
 
 How ``CPU_POISSON_RATE`` was derived: the cpu-poisson requests were run offline (all at 0, on a fresh cache: the
 capacity measurement `cbnb.tuning.measure_capacity` makes) with the workload's config hints on this machine
@@ -44,6 +46,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -183,29 +186,71 @@ def _nanovllm(rng: random.Random, vocab: int, scale: float) -> Workload:
                     description="nano-vllm's benchmark: 256 requests, random ids, U[100,1024] in and out")
 
 
+def _check_arrivals(arrivals: Any) -> None:
+    """An arrival process has ``times`` and ``spec``; a bare number is refused with the fix (its unit is ambiguous:
+    a rate or a gap)."""
+    if isinstance(arrivals, (int, float)) and not isinstance(arrivals, bool):
+        raise TypeError(f"arrivals must be an arrival process (cbnb.traffic.Offline(), Poisson(rate), Gamma(rate, "
+                        f"cv)); got the number {arrivals!r}: for {arrivals!r} requests/s pass Poisson({arrivals!r})")
+    if not (hasattr(arrivals, "times") and hasattr(arrivals, "spec")):
+        raise TypeError(f"arrivals must be an arrival process (cbnb.traffic.Offline(), Poisson(rate), Gamma(rate, "
+                        f"cv)); got {type(arrivals).__name__}")
+
+
+def _check_lengths(name: str, dist: Any) -> None:
+    if isinstance(dist, int) and not isinstance(dist, bool):
+        raise TypeError(f"{name} must be a length distribution (cbnb.traffic.Fixed, Uniform, LogNormal, Empirical); "
+                        f"got the number {dist!r}: for always {dist!r} tokens pass Fixed({dist!r})")
+    if not (hasattr(dist, "sample") and hasattr(dist, "spec") and hasattr(dist, "scaled")):
+        raise TypeError(f"{name} must be a length distribution (cbnb.traffic.Fixed, Uniform, LogNormal, Empirical); "
+                        f"got {type(dist).__name__}")
+
+
 def synthetic(name: str, n: int, arrivals: Any, prompt_len: Any, output_len: Any, *, model: str = "smollm2-135m",
-              vocab_size: int = 49152, seed: int = 0, shared_prefix_tokens: int = 0, shared_fraction: float = 0.0,
-              config_hints: dict[str, Any] | None = None, description: str = "", scale: float = 1.0) -> Workload:
+              vocab_size: int = 49152, seed: int = 0, shared_prefix_tokens: int = 0,
+              shared_fraction: float | None = None, config_hints: dict[str, Any] | None = None,
+              description: str = "", scale: float = 1.0) -> Workload:
     """A workload of `n` random-id requests with arrival times and lengths from `cbnb.traffic` generators.
 
     Args:
-        arrivals: an arrival process (`Offline`, `Poisson`, `Gamma`).
+        arrivals: an arrival process (`Offline()`, `Poisson(rate)`, `Gamma(rate, cv)`). A bare number is refused
+            (TypeError): pass ``Poisson(20.0)`` for 20 requests/s.
         prompt_len, output_len: length distributions (`Fixed`, `Uniform`, `LogNormal`, `Empirical`); prompt lengths
             exclude the shared prefix.
         shared_prefix_tokens: length of a common system prompt put in front of `shared_fraction` of the requests
             (which ones: a seeded draw).
+        shared_fraction: the share of requests with the shared prefix, in [0, 1]. None (the default): every request
+            when `shared_prefix_tokens` > 0, none otherwise. A prefix with ``shared_fraction=0``, or a fraction > 0
+            without a prefix, shares nothing and warns.
         scale: applied to `n`, the lengths and the shared prefix (not to the arrival rate).
 
     The prompts, the lengths and the arrivals come from three seeded streams, so re-timing a workload
     (`with_arrivals`) or changing the arrival rate leaves the prompts as they were.
 
     Raises:
-        ValueError: n < 1, a shared_fraction outside [0, 1], or a vocabulary too small.
+        ValueError: n < 1, a shared_fraction outside [0, 1], a negative shared_prefix_tokens, or a vocabulary too
+            small.
+        TypeError: `arrivals` is not an arrival process or a length is not a distribution (the message says
+            what to pass).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an integer >= 1; got {n!r}")
-    if not 0.0 <= shared_fraction <= 1.0:
+    _check_arrivals(arrivals)
+    _check_lengths("prompt_len", prompt_len)
+    _check_lengths("output_len", output_len)
+    if not isinstance(shared_prefix_tokens, int) or isinstance(shared_prefix_tokens, bool) or shared_prefix_tokens < 0:
+        raise ValueError(f"shared_prefix_tokens must be an integer >= 0; got {shared_prefix_tokens!r}")
+    if shared_fraction is None:
+        shared_fraction = 1.0 if shared_prefix_tokens else 0.0
+    elif not (isinstance(shared_fraction, (int, float)) and 0.0 <= shared_fraction <= 1.0):
         raise ValueError(f"shared_fraction must be in [0, 1]; got {shared_fraction!r}")
+    elif shared_prefix_tokens and shared_fraction == 0:
+        warnings.warn(f"synthetic({name!r}): shared_prefix_tokens={shared_prefix_tokens} with shared_fraction=0 "
+                      "puts the prefix in front of no request; leave shared_fraction unset to share it with all",
+                      UserWarning, stacklevel=2)
+    elif not shared_prefix_tokens and shared_fraction > 0:
+        warnings.warn(f"synthetic({name!r}): shared_fraction={shared_fraction} without shared_prefix_tokens shares "
+                      "nothing; set shared_prefix_tokens", UserWarning, stacklevel=2)
     if vocab_size <= FIRST_ID:
         raise ValueError(f"vocab_size must be > {FIRST_ID}; got {vocab_size}")
     if scale != 1.0:
@@ -232,6 +277,7 @@ def with_arrivals(workload: Workload, arrivals: Any, *, seed: int | None = None,
 
     `seed` defaults to the workload's own seed, so the same process gives the same times.
     """
+    _check_arrivals(arrivals)
     s = workload.traffic.get("seed", 0) if seed is None else seed
     times = arrivals.times(workload.num_requests, random.Random(f"{workload.name}:{s}:arrivals"))
     traffic = dict(workload.traffic, arrivals=arrivals.spec(), seed=s)
@@ -290,19 +336,24 @@ _DEFAULT_VOCAB = {"smollm2-135m": 49152, "shape:qwen3-0.6b": 151936}
 
 
 def get_workload(name: str, *, vocab_size: int | None = None, seed: int = 0, scale: float = 1.0,
-                 rate: float | None = None) -> Workload:
+                 rate: float | None = None, engine: Any = None) -> Workload:
     """Build a standard workload.
 
     Args:
         name: one of `WORKLOADS`.
-        vocab_size: ids are drawn below it (default: the workload model's vocabulary).
+        vocab_size: ids are drawn below it (default: the engine's vocabulary when `engine` is given, else the
+            workload model's).
+        engine: the engine the workload will run on (`cbnb.Engine`, `cbnb.sim.SimEngine`: anything with a
+            ``vocab_size``): token ids are drawn within its vocabulary, so that e.g. nanovllm-256 (specified on
+            Qwen3's 151,936 ids) runs on a 128,256-id Llama instead of failing every request at submit.
         seed: RNG seed (the same seed gives the same workload).
         scale: multiply request and token counts (0 < scale <= 1 shrinks it for CI/notebooks).
         rate: arrival rate in requests/s for the timed workloads (cpu-poisson, chat-burst; default
             `CPU_POISSON_RATE`); ignored by the offline ones.
 
     Raises:
-        ValueError: unknown name (lists the choices), a non-positive scale or rate, or a too small vocabulary.
+        ValueError: unknown name (lists the choices), a non-positive scale or rate, a too small vocabulary, or a
+            `vocab_size` larger than the engine's.
     """
     if name not in _MODEL:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
@@ -310,7 +361,13 @@ def get_workload(name: str, *, vocab_size: int | None = None, seed: int = 0, sca
         raise ValueError(f"scale must be > 0; got {scale!r}")
     if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate must be a number of requests/s > 0; got {rate!r}")
-    vocab = vocab_size or _DEFAULT_VOCAB[_MODEL[name]]
+    engine_vocab = getattr(engine, "vocab_size", None) if engine is not None else None
+    if engine is not None and not isinstance(engine_vocab, int):
+        raise ValueError(f"engine must have an integer vocab_size (cbnb.Engine, SimEngine); got "
+                         f"{type(engine).__name__}")
+    if vocab_size is not None and engine_vocab is not None and vocab_size > engine_vocab:
+        raise ValueError(f"vocab_size must be <= the engine's vocabulary ({engine_vocab}); got {vocab_size}")
+    vocab = vocab_size or engine_vocab or _DEFAULT_VOCAB[_MODEL[name]]
     if vocab <= FIRST_ID:
         raise ValueError(f"vocab_size must be > {FIRST_ID}; got {vocab}")
     if name in _TIMED:

@@ -9,6 +9,9 @@ import pytest
 
 from cbnb.config import TRANSFORMERS_FIELDS, CBNB_FIELDS, ContinuousBatchingConfig as C
 from cbnb.export import TARGETS, render_docs, sglang, to_sglang, to_transformers_serve, to_vllm, transformers_serve, vllm
+from cbnb.export import flags as flags_mod
+from cbnb.export.common import drop_unknown
+from cbnb.export.flags import flag_list
 
 MODULES = {"vllm": vllm, "sglang": sglang, "transformers-serve": transformers_serve}
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "exports.md"
@@ -44,49 +47,106 @@ TUNED = C(page_size=16, num_blocks=512, max_batch_tokens=256, max_requests_per_b
 
 
 def test_vllm_flags_follow_the_table():
-    ex = to_vllm(TUNED, model="org/model")
+    ex = to_vllm(TUNED.copy(max_queue_size=100, safety_margin=0.2), model="org/model")
     f = _flags(ex)
-    assert f == {"--block-size": "16", "--num-gpu-blocks-override": "512", "--gpu-memory-utilization": "0.5",
-                 "--max-num-batched-tokens": "256", "--max-num-seqs": "64", "--enable-prefix-caching": None,
-                 "--swap-space": "2", "--scheduling-policy": "fcfs", "--enforce-eager": None,
-                 "--async-scheduling": None, "--seed": "7"}
+    assert f == {"--block-size": "16", "--num-gpu-blocks-override": "512", "--max-num-batched-tokens": "256",
+                 "--max-num-seqs": "64", "--enable-prefix-caching": None, "--scheduling-policy": "fcfs",
+                 "--enforce-eager": None, "--async-scheduling": None, "--seed": "7", "--watermark": "0.2",
+                 "--max-num-queued-reqs": "100"}
     table = {r.field: r.target for r in vllm.MAPPING}
     for name, flag in (("page_size", "--block-size"), ("num_blocks", "--num-gpu-blocks-override"),
                        ("max_batch_tokens", "--max-num-batched-tokens"), ("max_requests_per_batch", "--max-num-seqs"),
-                       ("cpu_offload_space", "--swap-space"), ("seed", "--seed"),
-                       ("max_memory_percent", "--gpu-memory-utilization")):
+                       ("seed", "--seed"), ("safety_margin", "--watermark"),
+                       ("max_queue_size", "--max-num-queued-reqs")):
         assert flag in table[name] and flag in f
     assert ex.ok and ex.command.startswith("vllm serve org/model --block-size 16")
     assert shlex.split(ex.command)[3:] == ex.flags
-    assert any("gpu-memory-utilization" in n for n in ex.notes)
+    # the memory fraction means another thing in vLLM: reported, not copied; vLLM 0.33 has no swap space
+    unmapped = {u[0]: u[2] for u in ex.unmapped}
+    assert "--gpu-memory-utilization" not in f and "whole GPU" in unmapped["max_memory_percent"]
+    assert "--swap-space" not in f and "cpu_offload_space" in unmapped
 
 
 def test_vllm_reports_what_it_cannot_take():
-    ex = to_vllm(C(page_size=48, scheduler_type="prefill_first", safety_margin=0.3, max_queue_size=8,
-                   use_cuda_graph=(True, False)))
-    assert not ex.ok and "--block-size" not in ex.flags  # reported, never rounded to 32 or 64
-    assert "page_size=48" in ex.problems[0] and "1, 8, 16, 32, 64, 128, 256" in ex.problems[0]
+    ex = to_vllm(C(page_size=48, scheduler_type="prefill_first", safety_margin=1.0, use_cuda_graph=(True, False)))
+    assert not ex.ok and _flags(ex)["--block-size"] == "48"  # any positive block size in vLLM 0.33
+    assert any("safety_margin=1" in p and "[0, 1)" in p for p in ex.problems) and "--watermark" not in ex.flags
     names = {u[0] for u in ex.unmapped}
-    assert {"scheduler_type", "safety_margin", "max_queue_size", "use_cuda_graph"} <= names
+    assert {"scheduler_type", "use_cuda_graph"} <= names
     assert "--scheduling-policy" not in ex.flags and "--enforce-eager" not in ex.flags
-    big = to_vllm(C(page_size=128))
-    assert big.ok and "--block-size" in big.flags and any("up to 32" in n for n in big.notes)
     assert "--no-enable-prefix-caching" in to_vllm(C(allow_block_sharing=False)).flags
+    assert _flags(to_vllm(C(scheduler_type="prefill_first")))["--watermark"] == "0"  # its scheduler's default
 
 
-def test_sglang_flags_follow_the_table():
-    ex = to_sglang(TUNED.copy(max_queue_size=100, prefix_eviction="lru"), model="org/model")
-    f = _flags(ex)
-    assert f == {"--page-size": "16", "--max-total-tokens": str(512 * 16), "--mem-fraction-static": "0.5",
-                 "--chunked-prefill-size": "256", "--max-running-requests": "64", "--radix-eviction-policy": "lru",
-                 "--schedule-policy": "fcfs", "--disable-cuda-graph": None, "--random-seed": "7",
-                 "--max-queued-requests": "100"}
-    assert ("cpu_offload_space", 2.0) in [(u[0], u[1]) for u in ex.unmapped]
-    assert ex.command.startswith("python -m sglang.launch_server --model-path org/model --page-size 16")
-    off = to_sglang(C(allow_block_sharing=False, use_async_batching=False))
-    assert "--disable-radix-cache" in off.flags and "--disable-overlap-schedule" in off.flags
-    table = {r.field: r.target for r in sglang.MAPPING}
-    assert table["num_blocks"] == "--max-total-tokens" and table["max_requests_per_batch"] == "--max-running-requests"
+def test_cache_size_is_exported_exactly():
+    """The cache the engine ran with, also when the sizing chose it (resolved=engine.config)."""
+    user = C(page_size=32, max_memory_percent=0.5)
+    ran = user.copy(num_blocks=1234)
+    v, s = to_vllm(user, resolved=ran), to_sglang(user, resolved=ran)
+    assert _flags(v)["--num-gpu-blocks-override"] == "1234" and _flags(s)["--max-total-tokens"] == str(1234 * 32)
+    assert "--gpu-memory-utilization" not in v.flags and "--mem-fraction-static" not in s.flags
+    assert any("sizing chose" in n for n in v.notes)
+    unpinned = to_vllm(user)
+    assert "--num-gpu-blocks-override" not in unpinned.flags
+    assert any("resolved=engine.config" in n for n in unpinned.notes)
+    with pytest.raises(ValueError, match="resolved.page_size"):
+        to_vllm(user, resolved=ran.copy(page_size=16))
+
+
+def test_max_blocks_per_request_is_not_a_length_cap():
+    for ex in (to_vllm(C(max_blocks_per_request=8)), to_sglang(C(max_blocks_per_request=8))):
+        assert not any(x in ex.flags for x in ("--max-model-len", "--context-length"))
+        why = {u[0]: u[2] for u in ex.unmapped}["max_blocks_per_request"]
+        assert "not a length cap" in why
+
+
+CONFIGS = [C(), TUNED, TUNED.copy(max_queue_size=5, prefix_eviction="lru", use_async_batching=False),
+           C(allow_block_sharing=False, scheduler_type="prefill_first", use_cuda_graph=(False, False), seed=1,
+             safety_margin=0.3, max_requests_per_batch=8, num_blocks=64)]
+
+
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+def test_commands_use_only_flags_of_the_checked_version(target, config):
+    mod = MODULES[target]
+    known = flag_list(target, mod.VERSION)
+    ex = TARGETS[target](config, model="org/model")
+    args = shlex.split(ex.command)[len(shlex.split(ex.program)) + 1:]
+    assert args and known.unknown(args) == [], known.unknown(args)
+    i = 0
+    while i < len(args):  # a switch takes no value, every other option one
+        assert args[i] in known.flags, args[i]
+        i += 1 if args[i] in known.switches else 2
+    assert mod.VERSION in mod.CHECKED_AGAINST and mod.VERSION in ex.report().splitlines()[0]
+
+
+def test_unknown_flags_are_dropped_and_reported():
+    ex = to_vllm(C())
+    ex.flags += ["--swap-space", "4"]
+    drop_unknown(ex, flag_list("vllm", vllm.VERSION))
+    assert "--swap-space" not in ex.flags and "4" not in ex.flags and "--swap-space" in ex.problems[-1]
+
+
+def test_the_lists_show_why_the_export_changed():
+    """vLLM 0.16 (the version the first mapping was checked against) had --swap-space; 0.33 has not, and its
+    --max-num-queued-reqs and --watermark are new."""
+    old, new = flag_list("vllm", "0.16.0"), flag_list("vllm", vllm.VERSION)
+    assert "--swap-space" in old and "--swap-space" not in new
+    assert {"--max-num-queued-reqs", "--watermark"} <= new.flags - old.flags
+    assert flags_mod.versions("vllm")[-1] == vllm.VERSION and flag_list("vllm") == new  # the newest by default
+
+
+@pytest.mark.parametrize("package", ["vllm", "sglang"])
+def test_flag_lists_are_generated_data(package):
+    import json
+
+    path = pathlib.Path(flags_mod.DATA) / f"{package}-{MODULES[package].VERSION}.json"
+    d = json.loads(path.read_text())
+    assert d["generated_by"].startswith("scripts/refresh_export_flags.py") and len(d["wheel_sha256"]) == 64
+    assert d["flags"] == sorted(set(d["flags"])) and set(d["switches"]) <= set(d["flags"])
+    assert len(d["flags"]) > 200  # a whole parser, not a hand-picked list
+    with pytest.raises(ValueError, match="version must be one of"):
+        flag_list(package, "0.0.0")
 
 
 def test_transformers_serve_flags_follow_the_table():

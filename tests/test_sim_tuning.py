@@ -171,7 +171,8 @@ def test_workload_of_text_prompts_is_refused_by_the_sim_per_request():
     # A SimEngine has no tokenizer: text prompts are refused at submit (recorded FAILED), the run goes on.
     sim = small_sim()
     wl = Workload("mixed", "none", ["hello", [40] * 8], [2, 2], arrival_s=[0.0, 0.1])
-    run = run_workload(sim, wl)
+    with pytest.warns(UserWarning, match="1 of 2 requests of workload 'mixed' FAILED.*no tokenizer"):
+        run = run_workload(sim, wl)
     assert [r.state for r in run.records] == ["FAILED", "FINISHED"]
     assert "submit refused" in run.records[0].error
 

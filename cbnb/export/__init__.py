@@ -5,11 +5,14 @@
     from cbnb.export import to_vllm, to_sglang, to_transformers_serve
     e = to_vllm(engine.user_config, model="HuggingFaceTB/SmolLM2-135M-Instruct")
     print(e.command)      # vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --block-size 16 ...
-    e.unmapped            # [(field, value, why)] set in cbnb but with no equivalent in the target
+    e.unmapped            # [(field, value, why)] set in cbnb but not carried over to the target
     e.problems            # values the target cannot take (reported, never rounded)
 
 Each target module holds its mapping table as data (`MAPPING`: field -> flag, how, note) and the version it was
-checked against (`CHECKED_AGAINST`); `docs/exports.md` prints the same tables, and a test keeps the two equal.
+checked against (`CHECKED_AGAINST`); `docs/exports.md` prints the same tables, and a test keeps the two equal. The
+vLLM and SGLang exports emit only options of that version's CLI: the lists in `cbnb/export/data/` are read from the
+released wheels by ``scripts/refresh_export_flags.py`` (`cbnb.export.flags`), and a flag missing there is dropped
+and reported in `problems`.
 `config.to_code()` remains the export to transformers' Python API.
 """
 
@@ -29,13 +32,13 @@ _DOC_HEAD = """# Exporting a tuned config to production engines
 
 `cbnb.export` turns a `ContinuousBatchingConfig` (usually `engine.user_config`, or a run's config from the Runs
 panel) into the flags of the engines users scale out to. Each export returns an `Export` with the command line,
-the fields that have no equivalent (`unmapped`, only those set away from transformers' defaults), values the
-target cannot take (`problems`: the flag is left out and the value is reported, never rounded), and notes on
-approximations. `config.to_code()` stays the export to transformers' Python API.
+the fields that do not carry over (`unmapped`, only those set away from transformers' defaults; the report
+prints each with the reason), values the target cannot take (`problems`: the flag is left out and the value is
+reported, never rounded), and notes on approximations. `config.to_code()` stays the export to transformers' Python API.
 
 ```python
 from cbnb.export import to_vllm, to_sglang, to_transformers_serve
-print(to_vllm(engine.user_config, model="HuggingFaceTB/SmolLM2-135M-Instruct").report())
+print(to_vllm(engine.user_config, model="HuggingFaceTB/SmolLM2-135M-Instruct", resolved=engine.config).report())
 ```
 
 How to read the tables: **same** passes the value as is; **mapped** translates it (see the note); **approx** is the

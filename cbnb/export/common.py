@@ -6,7 +6,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["MappingRow", "Export", "mapping_table", "changed_fields", "NO_SERVING_EQUIVALENT"]
+__all__ = ["MappingRow", "Export", "mapping_table", "changed_fields", "NO_SERVING_EQUIVALENT", "cache_blocks",
+           "drop_unknown"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class Export:
         checked_against: the target version the mapping was checked against.
         program: the command that takes the flags (e.g. ``vllm serve``).
         flags: the argument list (e.g. ``["--block-size", "16"]``).
-        unmapped: (field, value, why) for fields set away from transformers' defaults with no equivalent.
+        unmapped: (field, value, why) for fields set away from transformers' defaults that do not carry over (no
+            equivalent, or only a flag that means something else); `report()` prints them as "not carried over".
         problems: values the target cannot take (the flag is left out; nothing is rounded).
         notes: approximations worth knowing (e.g. a memory fraction measured differently).
     """
@@ -81,7 +83,7 @@ class Export:
         for p in self.problems:
             lines.append(f"# NOT EXPORTED: {p}")
         for name, value, why in self.unmapped:
-            lines.append(f"# no equivalent: {name}={value!r}: {why}")
+            lines.append(f"# not carried over: {name}={value!r}: {why}")
         for n in self.notes:
             lines.append(f"# note: {n}")
         return "\n".join(lines)
@@ -112,3 +114,37 @@ def changed_fields(config: Any) -> dict[str, Any]:
 
     default = ContinuousBatchingConfig()
     return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}
+
+
+def cache_blocks(config: Any, resolved: Any = None) -> tuple[int | None, str]:
+    """The cache size to export, in blocks of ``config.page_size`` tokens, and where it came from.
+
+    `config.num_blocks` when set; else `resolved.num_blocks` (the engine's ``engine.config``, after sizing); else
+    None (the target sizes its own cache).
+
+    Raises:
+        ValueError: `resolved` has another page_size than `config` (its blocks would be another size).
+    """
+    if config.num_blocks is not None:
+        return int(config.num_blocks), ""
+    if resolved is None or getattr(resolved, "num_blocks", None) is None:
+        return None, ""
+    if resolved.page_size != config.page_size:
+        raise ValueError(f"resolved.page_size must equal config.page_size ({config.page_size}); got "
+                         f"{resolved.page_size} (pass the engine.config of the engine that ran this config)")
+    return int(resolved.num_blocks), "num_blocks=None: the size cbnb's sizing chose (resolved config)"
+
+
+def drop_unknown(ex: Export, known: Any) -> None:
+    """Remove from `ex.flags` every option not in `known` (a `FlagList`), with its value, as a problem: an export
+    never emits a flag the checked release does not have."""
+    out, toks, i = [], ex.flags, 0
+    while i < len(toks):
+        tok = toks[i]
+        value = i + 1 < len(toks) and not toks[i + 1].startswith("--")
+        if tok.startswith("--") and tok not in known:
+            ex.problems.append(f"{tok} is not an option of {ex.checked_against}; not exported")
+        else:
+            out += toks[i:i + (2 if value else 1)]
+        i += 2 if value else 1
+    ex.flags[:] = out

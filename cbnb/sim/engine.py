@@ -124,7 +124,9 @@ class SimEngine:
     `sweep` drive the simulation from the caller's thread), ``runs``, ``reset_stats``, ``stats``, ``generate``.
 
     Raises:
-        ValueError: an unknown shape or profile (named), or a bad config value.
+        ValueError: an unknown shape or profile (named), a bad config value, or a dtype the profile has no FLOP/s
+            for (e.g. bfloat16 on a CPU profile from `calibrate()`, which measures float32: pass
+            ``dtype="float32"``); the dtype is checked here, never switched to the profile's.
         MemoryError: the weights or the configured cache do not fit the profile's memory.
     """
 
@@ -137,6 +139,7 @@ class SimEngine:
                  event_log_size: int = 100_000, runs: Any = None) -> None:
         self.shape: ModelShape = load_shape(shape, dtype=dtype)
         self.profile: HardwareProfile = load_profile(profile)
+        self._check_dtype(dtype)
         if config is not None and not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         self.weight_bytes = self.shape.weight_bytes()
@@ -167,6 +170,20 @@ class SimEngine:
 
     def _clock(self) -> float:
         return self._loop.now
+
+    def _check_dtype(self, asked: Any) -> None:
+        """The cost model needs the profile's FLOP/s for the shape's dtype: refuse at construction, not at the first
+        step (the dtype is never switched silently: memory and speed both depend on it)."""
+        try:
+            self.profile.peak(self.shape.dtype)
+        except ValueError:
+            have = ", ".join(self.profile.peak_flops)
+            fit = next((k for k in self.profile.peak_flops if k != "tf32"), "float32")
+            whose = "the dtype passed" if asked is not None else f"the shape's dtype (of {self.shape.name})"
+            raise ValueError(f"dtype must be one profile {self.profile.name!r} has FLOP/s for ({have}); got "
+                             f"{self.shape.dtype} ({whose}): pass dtype= one of those, e.g. "
+                             f"SimEngine({self.shape.name!r}, profile, dtype={fit!r})"
+                             ) from None
 
     # ------------------------------------------------------------------------------------------ parts
     def plan_memory(self, config: ContinuousBatchingConfig) -> tuple[ContinuousBatchingConfig, MemoryPlan, int]:

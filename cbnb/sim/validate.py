@@ -215,6 +215,8 @@ def predict(workload: str = "nanovllm-256", profile: str = "h200", *, shape: str
     wl = get_workload(workload, seed=seed, scale=scale)
     sh = load_shape(shape or wl.model, dtype=dtype or wl.dtype)
     sim = SimEngine(sh, profile)
+    if shape is not None:  # another model's shape: draw the ids within its vocabulary
+        wl = get_workload(workload, seed=seed, scale=scale, engine=sim)
     for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new_tokens)):  # caller-driven: all in before the first step
         sim.submit(p, n, request_id=f"w{i}")
     sim.run()
