@@ -16,9 +16,11 @@ import random
 import time
 from typing import Any, Callable, Iterator
 
+import pytest
+
 import cbnb
 
-from helpers_engine import TIMEOUT, StepRecorder, config, tiny_model
+from helpers_engine import TIMEOUT, StepRecorder, config, tiny_model, torch_threads
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -92,3 +94,29 @@ def ended(engine: cbnb.Engine, rid: str) -> Any:
         if out.request_id == rid and out.finished:
             return out
     return None
+
+
+# ---------------------------------------------------------------------------------------------- shared fixtures
+# A test module uses them by importing them (`from helpers_server import served, client, one_thread`).
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The module runs with one torch intra-op thread (server threads and the engine share 2 cores)."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(engine, server): a tiny served engine for the module."""
+    with served_engine() as (engine, server):
+        yield engine, server
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    """The real `openai` SDK client of `served`."""
+    import openai
+
+    _, server = served
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        yield c

@@ -11,27 +11,8 @@ import pytest
 
 from cbnb.server.generation import TokenText
 
-from helpers_engine import TIMEOUT, torch_threads
-from helpers_server import byte_tokenizer, make_engine, served_engine, wait_until
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def served():
-    with served_engine() as (engine, server):
-        yield engine, server
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    _, server = served
-    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
+from helpers_engine import TIMEOUT
+from helpers_server import client, one_thread, served, byte_tokenizer, make_engine, served_engine, wait_until  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

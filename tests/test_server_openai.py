@@ -8,27 +8,8 @@ import asyncio
 import openai
 import pytest
 
-from helpers_engine import TIMEOUT, assert_no_blocks, torch_threads
-from helpers_server import byte_tokenizer, ended, served_engine, text_prompts, wait_until
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def served():
-    with served_engine() as (engine, server):
-        yield engine, server
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    _, server = served
-    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
+from helpers_engine import TIMEOUT, assert_no_blocks
+from helpers_server import client, one_thread, served, byte_tokenizer, ended, text_prompts, wait_until  # noqa: F401 (fixtures)
 
 
 def reference(engine, prompt, n, chat=False):

@@ -148,9 +148,10 @@ def skip_reason() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- page helpers
-def open_notebook(page, lab: "Lab", name: str) -> None:
-    """Open a notebook of `lab` in `page` and wait until its kernel is idle."""
-    page.goto(f"{lab.url}/lab/tree/{name}?token={TOKEN}")
+def open_notebook(page, lab: "Lab", name: str, reset: bool = False) -> None:
+    """Open a notebook of `lab` in `page` and wait until its kernel is idle. `reset`: in a fresh workspace (else
+    tabs of notebooks opened before come back, in front of this one)."""
+    page.goto(f"{lab.url}/lab/tree/{name}?{'reset&' if reset else ''}token={TOKEN}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
         return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel

@@ -9,13 +9,12 @@ Screenshots: test-artifacts/ui/40-nb03-*, 41-nb04-* (1440x900, light and dark).
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 
 import pytest
 
-from .lab import ARTIFACTS, REPO, TOKEN, Lab, skip_reason, wait_run_all_done
+from .lab import ARTIFACTS, REPO, TOKEN, Lab, open_notebook, run_all, skip_reason, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -58,14 +57,8 @@ def page(chromium, lab):
 
 
 def open_and_run_all(page, lab: Lab, name: str) -> None:
-    # ?reset: a fresh workspace (else the previous notebook's tab, its kernel shut down, comes back in front).
-    page.goto(f"{lab.url}/lab/tree/{name}?reset&token={TOKEN}")
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    page.wait_for_function("""() => { const w = window.jupyterapp && jupyterapp.shell.currentWidget;
-        return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-               && w.sessionContext.kernelDisplayStatus === 'idle'; }""", timeout=90_000)
-    page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    open_notebook(page, lab, name, reset=True)
+    run_all(page)
 
 
 CELL_RUNNING = """(needle) => {
