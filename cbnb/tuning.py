@@ -285,6 +285,8 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     # points: the full changes (derived ones too)
     result = SweepResult(sid, [c[0] for c in configs], log=log, workloads=[k for k in wls if k])
     order = [(r, w, p) for r in range(repeats) for w in wls for p in range(len(configs))]
+    if progress:  # what "goodput" below counts (the default SLO is strict: on a CPU it is often 0)
+        print(f"{sid}: {len(order)} runs; goodput = requests/s that met {slo or SLO()}")
     for k, (rep, wname, p) in enumerate(order):
         wl = wls[wname]
         full, cfg = configs[p]

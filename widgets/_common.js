@@ -55,8 +55,13 @@ function cbnbWatchKernel(model, root) {
   banner.style.display = "none";
   root.prepend(banner);
   const setStale = (on, secs) => {
-    if (on) banner.textContent = `No word from the kernel for ${Math.round(secs)} s: it was restarted, shut down or `
-      + "is stuck, so this panel is not live. Re-run the cell that made it.";
+    // The first silent panel on the page (in document order) says it all; the others (a dashboard has 11) say it
+    // briefly. Called every second while silent, so the choice follows the page.
+    banner.classList.toggle("cbnb-stale-on", on);
+    const full = document.querySelector(".cbnb-stale-banner.cbnb-stale-on") === banner;
+    if (on) banner.textContent = full ? `No word from the kernel for ${Math.round(secs)} s: it was restarted, shut `
+      + "down or is stuck, so this panel is not live. Re-run the cell that made it."
+      : "Not live: no word from the kernel (see the first panel).";
     if (on === stale) return;
     stale = on;
     banner.style.display = on ? "" : "none";

@@ -344,6 +344,21 @@ async function render({ model, el }) {
     });
     plots.forEach((d) => io.observe(d));
   }
+  // Plotly's `responsive` follows the window only: a chart whose cell changes width (the grid reflows at another
+  // font scale, a narrower output) is resized here, else it keeps its old width and spills over its neighbours.
+  let ro = null;
+  if (typeof ResizeObserver !== "undefined") {
+    const widths = new Map();
+    ro = new ResizeObserver((entries) => {
+      for (const en of entries) {
+        const d = en.target, w = Math.round(en.contentRect.width);
+        if (!w || widths.get(d) === w) continue;
+        widths.set(d, w);
+        if (P && d._fullLayout) P.Plots.resize(d);
+      }
+    });
+    plots.forEach((d) => ro.observe(d));
+  }
   const names = Object.keys(CHARTS_OF);
   const handlers = names.map((n) => [n, changed(n)]);
   for (const [n, h] of handlers) model.on(`change:${n}`, h);
@@ -368,6 +383,7 @@ async function render({ model, el }) {
     if (soon) clearTimeout(soon);
     if (idle) clearTimeout(idle);
     if (io) io.disconnect();
+    if (ro) ro.disconnect();
     offTheme();
     f.cleanup();
     for (const [n, h] of handlers) model.off(`change:${n}`, h);

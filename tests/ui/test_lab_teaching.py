@@ -552,4 +552,10 @@ def test_theme_colours_and_font_scale(s):
     page.locator(".cbnb-plots .js-plotly-plot").first.scroll_into_view_if_needed()  # charts redraw on screen
     page.wait_for_function("() => parseFloat(getComputedStyle(document.querySelector('.cbnb-plots .gtitle')).fontSize) === 12",
                            timeout=30_000)
+    # Back at 1x the grid reflows to narrower cells: every chart follows its cell (none spills over a neighbour).
+    page.locator(".cbnb-plots").scroll_into_view_if_needed()
+    page.wait_for_function("""() => Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).every(p => {
+        const svg = p.querySelector('.main-svg');
+        return svg && svg.getBoundingClientRect().width <= p.getBoundingClientRect().width + 2; })""",
+                           timeout=30_000)
     assert s.errors == [], s.errors
