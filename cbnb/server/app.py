@@ -285,16 +285,22 @@ async def _guarded_call(work: Callable[[], Any]) -> Any:
         return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
 
-async def _tokenize(ctx: ServerContext, request: Request) -> Response:
-    """vLLM's `POST /tokenize`: {model?, prompt, add_special_tokens=true} or {model?, messages,
-    add_generation_prompt=true, add_special_tokens=false} -> {count, max_model_len, tokens, token_strs=null}."""
-    obj = protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes))
-    body = protocol.parse_tokenize(obj)
+async def _tokenizer_request(ctx: ServerContext, request: Request, parse: Any, verb: str, param: str) -> tuple:
+    """The parsed body of a /tokenize or /detokenize request and the engine's tokenizer (a 400 naming `param`
+    when the engine has none)."""
+    body = parse(protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes)))
     ctx.check_model(body.model)
     tok = getattr(ctx.engine, "tokenizer", None)
     if tok is None:
-        raise ApiError(400, "this engine has no tokenizer: nothing to tokenize with", param="prompt",
+        raise ApiError(400, f"this engine has no tokenizer: nothing to {verb} with", param=param,
                        code="no_tokenizer")
+    return body, tok
+
+
+async def _tokenize(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's `POST /tokenize`: {model?, prompt, add_special_tokens=true} or {model?, messages,
+    add_generation_prompt=true, add_special_tokens=false} -> {count, max_model_len, tokens, token_strs=null}."""
+    body, tok = await _tokenizer_request(ctx, request, protocol.parse_tokenize, "tokenize", "prompt")
 
     def work() -> list[int]:
         field = "prompt" if body.prompt is not None else "messages"
@@ -318,13 +324,7 @@ async def _tokenize(ctx: ServerContext, request: Request) -> Response:
 
 async def _detokenize(ctx: ServerContext, request: Request) -> Response:
     """vLLM's `POST /detokenize`: {model?, tokens} -> {prompt} (special tokens kept in the text)."""
-    obj = protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes))
-    body = protocol.parse_detokenize(obj)
-    ctx.check_model(body.model)
-    tok = getattr(ctx.engine, "tokenizer", None)
-    if tok is None:
-        raise ApiError(400, "this engine has no tokenizer: nothing to detokenize with", param="tokens",
-                       code="no_tokenizer")
+    body, tok = await _tokenizer_request(ctx, request, protocol.parse_detokenize, "detokenize", "tokens")
     vocab = getattr(ctx.engine, "vocab_size", None)
     bad = next((i for i in body.tokens if i < 0 or (vocab is not None and i >= vocab)), None)
     if bad is not None:

@@ -10,7 +10,7 @@ from .board import RequestBoardPanel
 from .config_panel import ConfigPanel
 from .controls import ControlsPanel
 from .kvmap import KVPageMapPanel
-from .live import route_status
+from .live import in_kernel, route_status
 from .plots import LivePlotsPanel
 from .poller import Poller
 from .runs_panel import RunsPanel
@@ -77,8 +77,9 @@ class Dashboard(widgets.VBox):
                           self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
-        if not self.controls.routed and self.live != "not in a Jupyter kernel":
-            self.controls.show(self.live[:1].upper() + self.live[1:] + ".", "info")
+        if not self.controls.routed and in_kernel():
+            why = self.live
+            self.controls.show(why[:1].upper() + why[1:] + ".", "info")
         if start:
             self.poller.start()
 

@@ -26,7 +26,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["route_comm", "route_status", "ui_subshell"]
+__all__ = ["in_kernel", "route_comm", "route_status", "ui_subshell"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ def _kernel() -> Any:
     except ImportError:
         return None
     return Kernel.instance() if Kernel.initialized() else None
+
+
+def in_kernel() -> bool:
+    """True when this code runs inside a Jupyter (ipykernel) kernel."""
+    return _kernel() is not None
 
 
 def _unsupported(kernel: Any) -> str | None:
@@ -178,8 +183,7 @@ def route_comm(widget: Any) -> bool:
 
 def route_status() -> str:
     """One line for the user: whether clicks act while a cell runs in this kernel, and why not."""
-    kernel = _kernel()
-    if kernel is None:
+    if not in_kernel():
         return "not in a Jupyter kernel"
     sid = ui_subshell()
     if sid is not None:
