@@ -9,7 +9,7 @@ measures (`Engine.reconfigure`). The runner is the one `cbnb.runner.factory.make
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

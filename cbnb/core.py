@@ -48,6 +48,12 @@ class EngineCore:
         on_terminal: optional callback(request) when a request reaches FINISHED, FAILED or CANCELLED.
         clock: time source (seconds) for the requests' state changes and token times; default
             `time.perf_counter` (the engine's wall clock); the simulator passes its virtual clock.
+
+    Attributes:
+        observer: who hears the decisions (`cbnb.telemetry.Recorder` subscribes here); None: nobody. It is told
+            ``request_added(req, resume)`` when a request is taken (before anything it causes),
+            ``request_warned(req)`` when a request got a warning at admission, ``schedule_started(step_id)`` before
+            a step is planned and ``step_planned(work)`` after. An observer only records: it never calls the core.
     """
 
     def __init__(self, config: ContinuousBatchingConfig, cache: CacheManager,
@@ -61,6 +67,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.on_terminal = on_terminal
+        self.observer: Any = None
+        self.kv_for_runner = True  # build `StepWork.kv` (a simulator's cost model does not need it)
         self.offload_counts = {SWAP: 0, SOFT_RESET: 0}
 
     # ------------------------------------------------------------------------------------------ requests
@@ -85,6 +93,16 @@ class EngineCore:
         elif req.state != RequestState.PENDING or req.num_computed or req.output_ids or req.swapped:
             raise ValueError(f"request {req.request_id!r} is not a fresh request ({req.state.name}, "
                              f"{len(req.output_ids)} tokens generated); submit a new Request")
+        obs, had = self.observer, req.warning
+        if obs is not None:
+            obs.request_added(req, resume)
+        try:
+            return self._queue(req)
+        finally:
+            if obs is not None and req.warning is not None and req.warning != had:
+                obs.request_warned(req)
+
+    def _queue(self, req: Request) -> bool:
         self.requests[req.request_id] = req
         if not self.cache.fits_empty(req.num_tokens):
             self._exhaust(req)
@@ -157,18 +175,18 @@ class EngineCore:
             self.on_terminal(req)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
-    @property
     def has_work(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------------------------------ one step
     def schedule(self) -> StepWork:
-        """Plan the next step: schedule, offload if requests stall, fail what can never proceed."""
+        """Plan the next step: schedule, offload if requests stall, fail what can never proceed. The work's `t0` is
+        the core's clock when planning began; its `schedule_s` the host seconds planning took."""
+        t_start = self.clock()
         t0 = time.perf_counter()
         self.step_id += 1
+        if self.observer is not None:
+            self.observer.schedule_started(self.step_id)
         plan = self.scheduler.schedule(self.step_id)
         work = StepWork(self.step_id, plan)
         if plan.stalled:
@@ -201,7 +219,12 @@ class EngineCore:
         for s in plan.scheduled:
             if s.allocation is not None and s.allocation.restored is not None:
                 work.restores.append((s.request, s.allocation.restored))
+        if self.kv_for_runner:
+            work.kv = self.cache.step_kv(work.plan.scheduled)
         work.schedule_s = time.perf_counter() - t0
+        work.t0 = t_start
+        if self.observer is not None:
+            self.observer.step_planned(work)
         return work
 
     def _offload(self, d: OffloadDecision, work: StepWork) -> None:

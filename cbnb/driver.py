@@ -6,8 +6,9 @@
     records = Driver(engine, workload).run()           # blocks until every request is terminal
     d = Driver(engine, workload).start(); ...; d.wait()  # or in the background (the notebook stays free)
 
-The engine protocol: what the driver reads from an engine-like object (`cbnb.Engine` and
-`cbnb.peers.HFContinuousBatching` implement it; so must the simulator's engine). Nothing else is touched.
+The engine protocol: what the driver reads from an engine-like object (`cbnb.Engine` and `cbnb.sim.SimEngine`
+implement it, as part of `cbnb.engine_like.EngineLike`; `cbnb.peers.HFContinuousBatching` too). Nothing else is
+touched.
 
 - ``engine.submit(prompt, max_new_tokens=n, **submit_kwargs) -> handle``: one call per request, at its arrival
   time, in arrival order; `prompt` is the workload's prompt as stored (token ids or text), `submit_kwargs` default
@@ -15,7 +16,8 @@ The engine protocol: what the driver reads from an engine-like object (`cbnb.Eng
   exception refuses that request only (recorded FAILED with the message).
 - ``handle.result(timeout)``: the final output; `timeout` in wall seconds or None; raising ``TimeoutError`` makes
   the driver cancel what is left. It is called only once every request was submitted (and, on a virtual clock,
-  after ``clock.drain()``), so by then it may simply return.
+  after ``clock.drain()``), so by then it may simply return; the one exception is the closed loop on a virtual
+  clock, which calls ``result(0)`` on a handle whose ``done()`` is True to read its end time.
 - optional on the handle: ``request_id`` (str), ``done() -> bool``, ``cancel()`` (used on timeout).
 - the output: ``token_ids`` (list of int) and ``state`` (an enum member whose ``.name``, or a str, is one of
   "FINISHED", "FAILED", "CANCELLED"); optional: ``error`` (str), ``timings`` with ``queued``, ``scheduled``,
@@ -45,6 +47,19 @@ Per-request figures (`RequestRecord`, seconds, relative to the run's start ``t0`
 
 "queued" is the engine's own mark (``timings.queued``, set inside ``submit``); when an engine has no timings the
 driver's submit time stands in.
+
+Closed loop (``max_concurrency=C``): at most C requests are in flight (submitted, not terminal); request *i* (in
+arrival order) is submitted at ``max(t0 + arrival_s, the instant a slot frees)``, so with every arrival at 0 the next
+request starts when one ends, as ``vllm bench serve --max-concurrency C`` (a semaphore around each request, with
+``--request-rate`` still spacing the arrivals) and GuideLLM's ``concurrent`` profile do. It needs ``handle.done()``.
+
+- wall clock: the driver thread waits for a handle to end, woken by the engine's ``events`` (an `EventLog` with
+  ``subscribe``: any "request_done" record) or, without one, by polling every `POLL_S` seconds;
+- virtual clock: the driver advances the simulation in the smallest steps it can (``clock.advance()`` when the clock
+  has it; else ``clock.sleep_until(max(clock.now(), engine.now) + tiny)``, which runs the one step that starts at
+  the engine's clock), and when a request has ended it moves its present to that request's ``timings.finished``
+  (``sleep_until``) and submits there: the next request arrives at the very instant the last token was delivered,
+  as a client with zero network latency would send it.
 """
 
 from __future__ import annotations
@@ -54,7 +69,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Clock", "WallClock", "Driver", "RequestRecord"]
+__all__ = ["Clock", "WallClock", "Driver", "RequestRecord", "POLL_S"]
+
+#: Wall seconds between checks for a free slot (closed loop) when the engine has no event log to wake the driver.
+POLL_S = 0.02
 
 
 class Clock(Protocol):
@@ -169,6 +187,8 @@ class Driver:
         clock: a `WallClock` (default) or a virtual clock (``threaded = False``).
         submit_kwargs: extra keyword arguments for every ``submit`` (default: ``ignore_eos=True``, greedy).
         time_scale: multiply arrival times by this (e.g. 0.5 plays the trace twice as fast).
+        max_concurrency: at most this many requests in flight (closed loop, see the module doc); None: open loop
+            (every request at its arrival time).
 
     Attributes:
         records: one `RequestRecord` per request, in workload order (filled as requests end).
@@ -180,9 +200,13 @@ class Driver:
     """
 
     def __init__(self, engine: Any, workload: Any, *, clock: Any = None, submit_kwargs: dict[str, Any] | None = None,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, max_concurrency: int | None = None) -> None:
         if not (isinstance(time_scale, (int, float)) and time_scale > 0):
             raise ValueError(f"time_scale must be a number > 0; got {time_scale!r}")
+        if max_concurrency is not None and (not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool)
+                                            or max_concurrency < 1):
+            raise ValueError(f"max_concurrency must be an integer >= 1 or None; got {max_concurrency!r}")
+        self.max_concurrency = max_concurrency
         self.engine = engine
         self.workload = workload
         self.clock = clock if clock is not None else WallClock()
@@ -204,10 +228,66 @@ class Driver:
         self._stop = threading.Event()
         self._submitted = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # closed loop, wall clock: a request ended
+        self._inflight: list[int] = []  # closed loop: indices submitted and not seen terminal
+
+    # ------------------------------------------------------------------------------------------ closed loop
+    def _free_slot(self) -> None:
+        """Block (wall clock) or advance the simulation (virtual clock) until fewer than `max_concurrency`
+        requests are in flight."""
+        cap, clock = self.max_concurrency, self.clock
+        while True:
+            self._wake.clear()  # before the check: a request ending after it still wakes the wait below
+            ended = [i for i in self._inflight if _done(self.handles[i])]
+            if ended:
+                gone = set(ended)
+                self._inflight = [i for i in self._inflight if i not in gone]
+            if len(self._inflight) < cap or self._stop.is_set():
+                break
+            if clock.threaded:
+                self._wake.wait(POLL_S)
+            else:
+                self._advance()
+        if ended and not clock.threaded:
+            # Submit at the instant the freeing request ended (its last token), not at the end of the slice run.
+            t = max((_finished_at(self.handles[i]) for i in ended), default=None)
+            if t is not None:
+                clock.sleep_until(t)
+
+    def _advance(self) -> None:
+        """Run the simulation by the smallest amount: one step (virtual clock)."""
+        clock = self.clock
+        adv = getattr(clock, "advance", None)
+        if callable(adv):
+            adv()
+            return
+        now = clock.now()
+        eng_now = getattr(self.engine, "now", None)
+        base = max(now, float(eng_now)) if isinstance(eng_now, (int, float)) else now
+        clock.sleep_until(base + 1e-9 * max(1.0, abs(base)))
+
+    def _subscribe(self) -> Any:
+        """Wake the closed loop on every "request_done" event of the engine's log; returns the unsubscribe."""
+        log = getattr(self.engine, "events", None)
+        sub = getattr(log, "subscribe", None)
+        if not callable(sub):
+            return None
+        wake = self._wake
+
+        def on_events(events: list[Any]) -> None:
+            if any(getattr(e, "kind", "") == "request_done" for e in events):
+                wake.set()
+
+        try:
+            return sub(on_events)
+        except Exception:  # an engine-like whose log cannot be subscribed to: poll instead
+            return None
 
     # ------------------------------------------------------------------------------------------ submitting
     def _submit_all(self) -> None:
         clock, wl = self.clock, self.workload
+        closed = self.max_concurrency is not None
+        unsubscribe = self._subscribe() if closed and clock.threaded else None
         try:
             for i in self.order:
                 rec = self.records[i]
@@ -216,6 +296,8 @@ class Driver:
                     clock.sleep_until(target, self._stop)
                 else:
                     clock.sleep_until(target)
+                if closed and not self._stop.is_set():
+                    self._free_slot()
                 if self._stop.is_set():
                     rec.state, rec.error = "CANCELLED", "driver stopped before this request's arrival"
                     continue
@@ -229,9 +311,15 @@ class Driver:
                     continue
                 self.handles[i] = h
                 rec.request_id = getattr(h, "request_id", None)
+                if closed:
+                    if not callable(getattr(h, "done", None)):
+                        raise TypeError(f"max_concurrency needs handles with done(); {type(h).__name__} has none")
+                    self._inflight.append(i)
         except BaseException as e:  # pragma: no cover - surfaced by wait()
             self.error = e
         finally:
+            if unsubscribe is not None:
+                unsubscribe()
             self._submitted.set()
 
     def start(self) -> "Driver":
@@ -319,6 +407,16 @@ class Driver:
     def duration_s(self) -> float | None:
         """Start -> the last request's end (seconds), once `wait` returned."""
         return None if self.t_end is None or self.t0 is None else self.t_end - self.t0
+
+
+def _finished_at(h: Any) -> float | None:
+    """The engine's terminal mark of a done handle (its clock's seconds), or None."""
+    try:
+        tm = getattr(h.result(0), "timings", None)
+    except Exception:
+        return None
+    t = getattr(tm, "finished", None)
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 def _done(h: Any) -> bool:

@@ -10,8 +10,10 @@
         for delta in handle:                                             # streamed TokenDelta; `async for` too
             print(delta.text, end="")
 
-This module is the public API. The work is split by job: `cbnb.loop` (the engine thread and its sync / async step
-loops), `cbnb.phases` (the loop's state and the phases of a turn), `cbnb.inbox` (messages to the loop), `cbnb.handle` (request handles and streaming), `cbnb.prompts` (prompt
+This module is the model half of the public API; the lifecycle it shares with `cbnb.sim.SimEngine` (generate,
+cancel_all, step mode, stats, snapshot, explain, serve) is `cbnb.shell.EngineShell`. The work is split by job:
+`cbnb.loop` (the engine thread and its sync / async step loops), `cbnb.phases` (the loop's state and the phases of a
+turn), `cbnb.inbox` (messages to the loop), `cbnb.handle` (request handles and streaming), `cbnb.prompts` (prompt
 forms and request arguments), `cbnb.telemetry` (events and stats), `cbnb.build` (cache sizing and the parts of one
 config), `cbnb.core` (the torch-free decisions).
 
@@ -24,39 +26,38 @@ comes back once no other engine uses the model. Keep the engine referenced while
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import os
 import sys
 import threading
-import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .build import EngineBuilder
 from .cache.sizing import MemoryPlan
-from .cache.snapshot import KVSnapshot, kv_snapshot
 from .config import ContinuousBatchingConfig
 from .handle import RequestHandle, check_timeout
 from .inbox import EngineStoppedError, Reconfigure
 from .loop import finalize, start as start_loop
 from .phases import LoopState
 from .generation import REQUEST_ARGS, GenerationDefaults
-from .prompts import prompt_ids, prompt_preview, sampling_params, split_batch
-from .requests import Request, RequestOutput, SamplingParams
+from .prompts import prompt_ids, prompt_preview, sampling_params
+from .requests import Request, SamplingParams
 from .runs import RunLog
-from .step_mode import StepMode
+from .shell import EngineShell
+from .step_mode import ThreadedStepMode
 from .stops import StopMatcher
+from .structured import request_grammar
 from .telemetry import Recorder
-
-if TYPE_CHECKING:
-    from .explain import RequestStory
 
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
 
 
-class Engine(StepMode):
+class Engine(ThreadedStepMode, EngineShell):
     """A continuous-batching engine for one transformers causal LM.
 
     Args:
@@ -96,8 +97,6 @@ class Engine(StepMode):
     """
 
     _ids = itertools.count()
-    #: `reconfigure` writes its own run-log entry (`cbnb.tuning.reconfigure` then records nothing more).
-    records_reconfigures = True
     engine_name = "cbnb"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None,
@@ -155,11 +154,7 @@ class Engine(StepMode):
     user_config = property(lambda self: self._loop.user_config, doc="The config as given (Nones kept).")
     layout = property(lambda self: self._loop.layout, doc="The KV cache geometry (`KVLayout`).")
     memory = property(lambda self: self._loop.memory, doc="The cache's `MemoryPlan` (bytes by use).")
-    cache = property(lambda self: self._loop.cache, doc="The `CacheManager` (block bookkeeping).")
     store = property(lambda self: self._loop.store, doc="The `KVStore` (the KV tensors).")
-    core = property(lambda self: self._loop.core, doc="The `EngineCore` (requests, scheduler, offload policy).")
-    events = property(lambda self: self._loop.recorder.events, doc="The `EventLog` of typed telemetry events.")
-    _handles = property(lambda self: self._loop.handles)
     _thread = property(lambda self: self._loop.thread)
 
     @property
@@ -227,35 +222,6 @@ class Engine(StepMode):
             for server in lifecycle.servers_for(self):
                 server.stop(timeout)  # uvicorn bounds its own shutdown (graceful_shutdown_s)
 
-    def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-              **limits: Any) -> Any:
-        """Serve this engine over an OpenAI-compatible HTTP API from a background thread of its own; returns the
-        running `cbnb.server.Server` (`url`, `counters()`, `stop()`) once the port accepts connections. Starts the
-        engine if it was never started.
-
-        Args:
-            host: the address to bind; anything but loopback needs `api_key` or `allow_unauthenticated=True`.
-            port: the TCP port (0 picks a free one: see `server.port`). A server this process already runs on the
-                port is stopped first, so re-running the cell replaces it.
-            api_key: the Bearer token clients must send (compared in constant time); None: no key.
-            limits: the other `cbnb.server.ServerSettings` fields: allow_unauthenticated, model_name,
-                max_body_bytes, max_prompt_tokens, max_tokens_limit, max_concurrent_requests, graceful_shutdown_s.
-
-        Lifetime: the running server holds this engine, so a served engine lives until `server.stop()` or
-        `engine.stop()` (which stops its servers), even once no name refers to it; a stopped server lets it go.
-        At interpreter exit, servers and engines all stop.
-
-        Raises:
-            ImportError: without the web stack: ``pip install 'cbnb[serve]'``.
-            ValueError: bad settings (the message names the field), or a non-loopback `host` without `api_key` /
-                `allow_unauthenticated`.
-            OSError: when another program holds the port.
-            RuntimeError: when the engine is stopped or dead.
-        """
-        from .server import serve  # imports without the web stack; serve() names the extra when it is missing
-
-        return serve(self, host=host, port=port, api_key=api_key, **limits)
-
     def __enter__(self) -> "Engine":
         return self.start()
 
@@ -296,7 +262,8 @@ class Engine(StepMode):
                suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
                forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
                stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> RequestHandle:
+               prompt_logprobs: int | None = None, response_format: dict | None = None,
+               json_schema: Any = None) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
 
         Every generation argument left None takes the engine's default (its `generation_config`, see
@@ -329,6 +296,9 @@ class Engine(StepMode):
                 and that many alternatives, in `RequestOutput.prompt_logprobs` (None for the first token). Such a
                 request bypasses the prefix cache (a cached position has no logits), so it computes its whole
                 prompt; the CPU runner only (the CUDA runner refuses it).
+            response_format, json_schema: structured output (`cbnb.structured`): OpenAI's ``response_format``
+                (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``), or a
+                JSON schema (dict, JSON text or pydantic model class); every token is masked by the grammar.
 
         Raises:
             TypeError: a prompt form that is not accepted, or a `source` that is not a string.
@@ -352,6 +322,10 @@ class Engine(StepMode):
         sp, cap = sampling_params(len(ids), self.generation_defaults.resolve(args), eos_token_id=eos_token_id,
                                   default_eos=self.default_eos, vocab_size=self.vocab_size,
                                   max_positions=self.max_positions)
+        if response_format is not None or json_schema is not None:
+            sp = dataclasses.replace(sp, grammar=request_grammar(
+                self.tokenizer, self.vocab_size, self.default_eos, response_format=response_format,
+                json_schema=json_schema))
         stopper = StopMatcher(self.tokenizer, sp.stop) if sp.stop else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, sp, max_new_tokens_cap=cap, stopper=stopper, source=source)
@@ -362,54 +336,13 @@ class Engine(StepMode):
         self._loop.submit(req, handle)
         return handle
 
-    def generate(self, prompts: Iterable[Any], max_new_tokens: int | None = None, *, timeout: float | None = None,
-                 source: str | None = None, **sampling: Any) -> list[RequestOutput]:
-        """Submit every prompt and wait: one `RequestOutput` per prompt, in input order.
-
-        Args:
-            prompts: a list of prompts (each what `submit` takes), a 2-D tensor/array (one prompt per row), or a
-                batched tokenizer output (one prompt per row, padding dropped by its attention mask).
-            timeout: seconds to wait for all of them (None: no limit).
-            source: who sent them (as `submit`), the same for every prompt.
-            sampling: the other keywords of `submit` (sampling, logits processors, eos_token_id, ignore_eos, chat,
-                stop, logprobs).
-
-        Raises:
-            TypeError: `prompts` is a single prompt (a string, one list of ids: wrap it in a list, or use `submit`).
-            ValueError: a bad prompt or sampling value (as `submit`).
-            TimeoutError: when `timeout` seconds pass before all are done.
-            KeyboardInterrupt: an interrupt while waiting.
-            In every one of these cases, the requests this call submitted are cancelled first.
-        """
-        timeout = check_timeout(timeout)
-        handles: list[RequestHandle] = []
-        try:
-            for p in split_batch(prompts):
-                handles.append(self.submit(p, max_new_tokens=max_new_tokens, source=source, **sampling))
-            deadline = None if timeout is None else time.monotonic() + timeout
-            outs = []
-            for h in handles:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                outs.append(h.result(left))
-            return outs
-        except BaseException as e:
-            done = sum(h.done() for h in handles)
-            for h in handles:
-                h.cancel()
-            if isinstance(e, TimeoutError):
-                hint = " The engine is paused: engine.resume() or engine.step() lets it go on." if self.paused else ""
-                raise TimeoutError(f"generate: {len(handles) - done} of {len(handles)} requests not finished after "
-                                   f"{timeout:g} s; they are cancelled.{hint}") from None
-            raise
+    #: The `submit` keywords this engine honours (`cbnb.engine_like`): all of them.
+    submit_keywords = frozenset(inspect.signature(submit).parameters) - {"self"}
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state. True: it ends CANCELLED (blocks freed once) and no token reaches its
         handle after this returns, even when its last step is in flight. False for an unknown or ended id."""
         return self._loop.cancel(request_id)
-
-    def cancel_all(self) -> int:
-        """Cancel every unfinished request (as `cancel`). Returns how many were cancelled."""
-        return self._loop.cancel_all()
 
     def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
         """Apply a new config now, also while requests run. Unfinished requests are kept: they restart from their
@@ -443,89 +376,15 @@ class Engine(StepMode):
                 raise TimeoutError("reconfigure did not complete")
             if msg.error is not None:
                 raise msg.error
-        self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
+        self._reconfigured(old)
         return self.config
 
-    # ------------------------------------------------------------------------------------------ stories
-    def explain(self, request_id: "str | RequestHandle") -> "RequestStory":
-        """Why a request waited, and everything else that happened to it, from the event log (`cbnb.explain`):
-        arrival, each step it was left out with the reason and the numbers that decided it (and the config field
-        that would change that), its prompt chunks, prefix hits, offloads and restores, and its end.
-
-        Returns:
-            a `RequestStory`: ``.entries`` (data), ``.to_dict()``, ``.text()`` (also its ``str``).
-
-        Raises:
-            KeyError: no event of `request_id` is in the log (unknown id, telemetry off, or dropped from the log).
-            TypeError: `request_id` is neither an id nor a handle/output (a `RequestHandle` is taken as its id).
-        """
-        from .explain import explain_engine_request
-
-        return explain_engine_request(self, request_id)
-
     # ------------------------------------------------------------------------------------------ introspection
-    def stats(self) -> dict[str, Any]:
-        """Figures for this run (since `reset_stats()`) and cumulative, plus the memory split (bytes).
+    def _untaken(self) -> list[Request]:
+        return self._loop.inbox.untaken()
 
-        Returns:
-            {"run": RunStats.summary(), "cumulative": ..., "memory_bytes": memory_split(), "clock_s": the engine's
-            clock (perf_counter seconds) at the read}. Names carry units.
-        """
-        with self._loop.lock:
-            out = self._loop.recorder.summary()
-            out["memory_bytes"] = self.memory_split()
-        return out
-
-    def latency_samples(self, cumulative: bool = True) -> dict[str, list[float]]:
-        """Every finished request's latencies in seconds (`RunStats.latency_samples`): {"ttft_s", "tpot_s",
-        "e2e_latency_s", "queue_time_s"}, each a list in finishing order, copied under the loop's lock.
-
-        Args:
-            cumulative: since the engine was built (never reset: what a Prometheus histogram needs); False: this
-                run, since `reset_stats()`.
-        """
-        with self._loop.lock:
-            rec = self._loop.recorder
-            return (rec.total if cumulative else rec.run).latency_samples()
-
-    def reset_stats(self, label: str = "", *, cause: str = "reset_stats", marker: bool = True) -> None:
-        """Start a new run for `stats()["run"]` (the cumulative figures keep counting).
-
-        Args:
-            label: what the new run is (shown by the live plots at the run's marker).
-            cause: the marker's cause ("reset_stats", "workload", "reconfigure").
-            marker: record a `RunStarted` event (the plots start a new segment there).
-        """
-        with self._loop.lock:
-            self._loop.recorder.reset_run()
-        if marker:
-            self._loop.recorder.mark_run(cause, label)
-
-    def snapshot(self) -> KVSnapshot:
-        """The KV page map now: every block's state, refcount, owner and fill, with the reserved padding blocks
-        labelled (see `cbnb.cache.snapshot`)."""
-        with self._loop.lock:
-            return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
-
-    def requests_snapshot(self) -> list[RequestOutput]:
-        """Live requests (arrival order; submitted ones the loop has not taken yet are PENDING), followed by the most
-        recently ended ones (up to 256, with their text)."""
-        queued = self._loop.inbox.untaken()  # read first: one taken meanwhile is then in `live` (deduplicated)
-        with self._loop.lock:
-            live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
-            ended = list(self._loop.recent)
-        seen = {r.request_id for r in live} | {r.request_id for r in ended}
-        live += [r for r in queued if r.request_id not in seen]
-        for r in ended:  # decoded once, here on the caller's side (the engine thread decodes only stop strings)
-            if r.output_ids:
-                r.decode_text(self.tokenizer)
-        return [r.output() for r in live] + [r.output() for r in ended]
-
-    def memory_split(self) -> dict[str, int]:
-        """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool."""
-        split = self.memory.split()
-        split["swap_pool"] = self.store.swap_bytes if self.store is not None else 0
-        return split
+    def _swap_bytes(self) -> int:
+        return self.store.swap_bytes if self.store is not None else 0
 
     def __repr__(self) -> str:
         c = self.config

@@ -1,9 +1,9 @@
 """Telemetry: typed event records and the `EventLog` (torch-free).
 
 Every scheduling, cache and runner decision becomes a small, plain-data record with the step id it belongs to and
-a monotonic timestamp (`time.perf_counter()` seconds). A step's events are gathered on that step's `StepWork`
-(`work.events`) and appended to the log in one go when the step completes, so nothing that a later step writes can
-overwrite them (overlapped batches keep their own lists).
+a timestamp on the engine's clock (`time.perf_counter()` seconds; simulated seconds on a `SimEngine`). The
+`cbnb.telemetry.Recorder` gathers a loop turn's events in its own pending list and appends them to the log in one
+batch at the turn's end (`Recorder.flush`), so nothing that a later, overlapped step records can overwrite them.
 
 `EventLog` is append-only, thread-safe and bounded (oldest records dropped first). Pollers read "everything since
 cursor N"; subscribers get each step's batch of events on the engine thread (keep callbacks cheap). Export:
@@ -16,8 +16,8 @@ import itertools
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterable, Iterator, TextIO
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, TextIO
 
 __all__ = [
     "Event", "StepPlanned", "BlocksAllocated", "BlocksFreed", "BlocksShared", "BlocksDemoted", "BlocksDeduplicated",
@@ -379,12 +379,3 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, (set, frozenset, tuple)):
         return list(o)
     return str(o)
-
-
-def event_fields(cls: type[Event]) -> list[str]:
-    """Field names of an event type (for docs and UI tables)."""
-    return [f.name for f in fields(cls)]
-
-
-def iter_kind(events: Iterable[Event], kind: type[Event]) -> Iterable[Event]:
-    return (e for e in events if isinstance(e, kind))

@@ -2,8 +2,10 @@
 
 A `RequestHandle` is the caller's side of one request: iterate it (sync or ``async for``) for `TokenDelta`s, or wait
 for its `RequestOutput` with `result()`. The engine thread pushes token ids into the handle's queue without bound
-(the loop never waits on a consumer); text is decoded on the consumer's side (`_Detok`), holding back an incomplete
-UTF-8 tail, and so is the final `RequestOutput` (built from the terminal request when first asked).
+(the loop never waits on a consumer); text is decoded on the consumer's side, incrementally
+(`cbnb.detok.IncrementalDetokenizer`: a short tail window per delta, an incomplete UTF-8 tail held back), and so is
+the final `RequestOutput` (built from the terminal request when first asked): a streamed request's final text is
+its stream's, so no token is decoded twice.
 
 Waiting and interrupts: a ``KeyboardInterrupt`` (a notebook's interrupt button) that arrives while the caller waits
 in `result()` or in a sync iteration cancels the request, then propagates; a `result()` timeout leaves the request
@@ -22,6 +24,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterator
 
+from .detok import IncrementalDetokenizer
 from .requests import Request, RequestOutput, RequestState, TokenDelta
 
 __all__ = ["RequestHandle", "HandleTable", "check_timeout"]
@@ -40,26 +43,6 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise ValueError(f"{name} must be a number of seconds >= 0 or None; got {timeout!r}")
     return float(timeout)
-
-
-class _Detok:
-    """Incremental detokenisation: text of all tokens so far, holding back an incomplete UTF-8 tail."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids.extend(ids)
-        if self.tokenizer is None:
-            return ""
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not final and full.endswith("\ufffd"):
-            return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
-        return delta
 
 
 class RequestHandle:
@@ -96,7 +79,7 @@ class RequestHandle:
         self._final: RequestOutput | None = None
         self._consumed = False  # the final delta was yielded: a later iteration must not wait for more
         self._notify: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] | None = None  # async iterators
-        self._stream: _Detok | None = None
+        self._stream: IncrementalDetokenizer | None = None
 
     # ---------------------------------------------------------------- engine side (engine thread only)
     def _wake(self) -> None:
@@ -164,21 +147,27 @@ class RequestHandle:
 
     def _delta(self, item: Any) -> TokenDelta:
         if self._stream is None:
-            self._stream = _Detok(self._tokenizer)
+            self._stream = IncrementalDetokenizer(self._tokenizer)
+        stream = self._stream
         if item is _FINAL:
-            out = self._output()
-            done = len(self._stream.ids)
-            rest = out.token_ids[done:]
-            shown = self._stream.text
-            text = self._stream.push(rest, final=True)
-            if out.finish_reason == "stop":  # the text ends before the stop string, maybe inside a token
+            req = self._ended
+            done = len(stream.ids)
+            shown = stream.text
+            rest = list(req.output_ids[done:])
+            text = stream.push(rest, final=True)
+            if req.finish_reason == "stop":  # the text ends before the stop string, maybe inside a token
+                out = self._output()
                 text = out.text[len(shown):]
-                self._stream.text = out.text
+                stream.text = out.text
+            else:
+                if self._tokenizer is not None and not req.text:
+                    req.text = stream.text  # the stream's text is the final text: decoded once
+                out = self._output()
             self._consumed = True
             lps = None if out.logprobs is None else out.logprobs[done:]
             return TokenDelta(self.request_id, rest, text, out.state, True, out.error, lps)
         ids, state, lps = item
-        return TokenDelta(self.request_id, ids, self._stream.push(ids), state, False, None, lps)
+        return TokenDelta(self.request_id, ids, stream.push(ids), state, False, None, lps)
 
     def _before_wait(self) -> None:
         """Called before iteration waits for the next item (a simulated engine runs its steps here)."""

@@ -3,9 +3,10 @@
 The phases, which `cbnb.loop.sync_loop` and `async_loop` put in order:
 
 - `begin_turn()`: `drain()` (control messages such as reconfigure, then up to `MAX_SUBMISSIONS_PER_TURN`
-  submissions through `Recorder.admit` → `EngineCore.add`, then cancellations), then whether to stop, then the
+  submissions through `EngineCore.add`, then cancellations), then whether to stop, then the
   step mode's hold (below);
-- `plan()`: `EngineCore.schedule()` (admission, chunking, prefix hits, offload decisions) through `Recorder.plan`;
+- `plan()`: `EngineCore.schedule()` (admission, chunking, prefix hits, offload decisions; the `Recorder` hears the
+  plan as the core's observer);
 - (the runner runs the step);
 - `apply()`: cancellations first, then `EngineCore.apply()` (tokens, finishing), new tokens to the handles,
   `Recorder.step_done`, and the turn's events to the log in one batch; `fail()` when the forward raised;
@@ -28,7 +29,6 @@ Engine nobody references is collected, and its finalizer (`cbnb.loop.finalize`) 
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -39,6 +39,7 @@ from .handle import HandleTable, RequestHandle
 from .inbox import EngineStoppedError, Inbox, Reconfigure, StepOnce
 from .plan import StepResult, StepWork
 from .requests import Request, RequestState
+from .segments import carry_step_id, config_changes, config_values, mark_reconfigure  # noqa: F401 (re-exported)
 from .telemetry import Recorder
 
 __all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes", "config_values"]
@@ -108,13 +109,12 @@ class LoopState:
         previous, previous_core = self.runner, self.core
         for name in ("user_config", "config", "layout", "memory", "cache", "store", "runner", "core"):
             setattr(self, name, getattr(parts, name))
-        if previous_core is not None:  # step numbers go on across a reconfigure (events, plots and stories)
-            self.core.step_id = previous_core.step_id
+        carry_step_id(previous_core, self.core)
         self.recorder.attach(self.core, self.cache)
         if previous is not None:
             self.runner.inherit(previous)  # seeded requests keep their RNG streams
         for req in carry:
-            self.recorder.admit(self.core, req, resume=True)
+            self.core.add(req, resume=True)
 
     def rebuild(self, config: Any) -> None:
         """Replace the parts by those of `config`, keeping unfinished requests (they restart from their prompt and
@@ -134,8 +134,7 @@ class LoopState:
         finally:
             if was_active:
                 self.runner.activate()
-        self.recorder.mark_run("reconfigure", config_changes(before, self.config), before=config_values(before),
-                               after=config_values(self.config))
+        mark_reconfigure(self.recorder, before, self.config)
 
     def release(self) -> None:
         """Drop the parts for good (the engine is gone): the KV pool and the runner's buffers are freed now."""
@@ -236,7 +235,7 @@ class LoopState:
                 elif isinstance(msg, StepOnce):
                     self._steps.append(msg)
             for req in self.inbox.take_submissions():
-                self.recorder.admit(self.core, req)
+                self.core.add(req)
             self._settle_cancels()
         return rebuilt
 
@@ -263,7 +262,8 @@ class LoopState:
                 self._idle_s = 0.5
                 self._step_done()
                 return None
-            work, t0 = self.recorder.plan(self.core)
+            work = self.core.schedule()  # the recorder hears the plan as the core's observer
+            t0 = work.t0
         if self.step_rate:
             self._next_step_t = time.monotonic() + 1.0 / self.step_rate
         if self._stepping is not None:
@@ -389,24 +389,3 @@ class LoopState:
         self.recent.append(req)
         self.handles.finish(req)  # its output is built on the caller's side, when asked
 
-
-def config_values(config: Any) -> dict[str, Any]:
-    """A resolved config's plain fields by name (numbers, strings, flags, tuples of them; what a reconfigure's
-    `RunStarted` marker records). Objects such as compile configs are left out: an event is plain data."""
-    plain = (type(None), bool, int, float, str)
-    out = {}
-    for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
-            out[f.name] = v
-    return out
-
-
-def config_changes(old: Any, new: Any) -> str:
-    """The fields of two (resolved) configs that differ, as "page_size=16, safety_margin=0.3" ("no change")."""
-    parts = []
-    for f in dataclasses.fields(new):
-        a, b = getattr(old, f.name, None), getattr(new, f.name, None)
-        if a != b:
-            parts.append(f"{f.name}={b!r}" if isinstance(b, str) else f"{f.name}={b}")
-    return ", ".join(parts) or "no change"

@@ -11,7 +11,9 @@ scheduler, the cache manager or the core.
   queue (a sequence of ids that expands on demand), so that recording a step's skips costs O(distinct reasons), not
   O(waiting requests).
 - `StepWork`: the plan plus what the core decided around it (offloads, the swap-out and restore copies, requests
-  failed while scheduling), i.e. everything the runner must do for the step.
+  failed while scheduling) and where the step's KV lives (`StepKV`: per scheduled row and layer group, the block
+  table and the write slots), i.e. everything the runner must do for the step: a runner reads the step's
+  `StepWork`, never the cache manager.
 - `StepResult`: what a runner hands back: the sampled token per request and where the time went.
 
 Field types that belong to the deciding modules (`Request`, `Allocation`, `OffloadDecision`, `SwapOut`) are named
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # names only: importing them would tie this module to the dec
     from .requests import Request
 
 __all__ = ["SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
+           "KVGroup", "RowKV", "StepKV", "decode_slot",
            "StepWork", "StepResult"]
 
 
@@ -211,6 +214,51 @@ class BatchPlan:
                 yield rid, s.reason
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """One layer group's fixed KV geometry: `window` in tokens (0: full attention), the padding blocks (`read`: a
+    block of zeros padded tables point to; `write`: where the K/V of a dropped position goes)."""
+
+    window: int
+    read_padding_block: int | None
+    write_padding_block: int | None
+
+
+@dataclass(slots=True)
+class RowKV:
+    """Where one scheduled row's KV lives, per layer group (block ids and slots are ints; slot = block * page_size
+    + offset).
+
+    Attributes:
+        tables: per group, the request's block table as of planning (the allocator's own list, shared and not
+            copied: valid for the step's launch, which follows its planning; read it then).
+        write_slots: per group, the slot receiving the K/V of each of the row's positions (-1: the write-padding
+            block); None for a one-token row (a decode), whose slot is `decode_slot` of its table.
+        window_slots: per group, for a chunk that starts past 0 in a sliding group, the slots of the window's earlier
+            positions it attends to (oldest first); None elsewhere.
+    """
+
+    tables: list[list[int]]
+    write_slots: list[list[int]] | None = None
+    window_slots: list[list[int] | None] | None = None
+
+
+@dataclass
+class StepKV:
+    """The step's KV data for the runner: the geometry (`page_size`, `groups`) and a `RowKV` per scheduled request id."""
+
+    page_size: int
+    groups: list[KVGroup]
+    rows: dict[str, RowKV] = field(default_factory=dict)
+
+
+def decode_slot(table: list[int], position: int, window: int, page_size: int) -> int:
+    """The slot of `position` in a request's block `table` (a sliding group keeps position p at ring slot
+    ``p % window``; `cbnb.cache.allocators`)."""
+    r = position % window if window else position
+    return table[r // page_size] * page_size + r % page_size
+
+
 @dataclass
 class StepWork:
     """Everything the runner must do for one step, plus what was decided on the way.
@@ -226,6 +274,8 @@ class StepWork:
         restores: (request, per-group (host, device) pairs) to copy host -> device before the forward.
         failed: requests ended while scheduling (prompt too long, or the cache exhausted).
         schedule_s: seconds spent scheduling (including offload decisions).
+        t0: the core's clock when planning began (seconds: perf_counter, or simulated).
+        kv: where the scheduled rows' KV lives (`StepKV`; None for a plan nobody will execute, e.g. in tests).
     """
 
     step_id: int
@@ -235,6 +285,8 @@ class StepWork:
     restores: list[tuple[Request, list[list[tuple[int, int]]]]] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     schedule_s: float = 0.0
+    t0: float = 0.0
+    kv: StepKV | None = None
 
     @property
     def empty(self) -> bool:

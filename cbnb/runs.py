@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["Run", "RunLog", "run_log", "config_dict", "change_text", "spread", "summary_frame"]
+__all__ = ["Run", "RunLog", "run_log", "config_dict", "change_text", "spread", "summary_frame", "provenance_text"]
 
 
 def _jsonable(v: Any) -> Any:
@@ -80,21 +80,26 @@ class Run:
     time: float = field(default_factory=time.time)
     note: str = ""
     records: list[Any] = field(default_factory=list, repr=False, compare=False)
+    #: where the engine's figures come from: {"kind": "measured"} for a real engine, a simulator profile's
+    #: `HardwareProfile.trust()` ("datasheet", "calibrated", "fitted", with its error) for `SimEngine`.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def change(self) -> str:
         return change_text(self.changes)
 
     def group_key(self) -> tuple:
-        """Runs with the same key are repeats of one point: engine, workload (name + arrivals) and config change."""
+        """Runs with the same key are repeats of one point: engine, workload (name + arrivals + closed-loop
+        concurrency) and config change."""
         wl = self.workload
         return (self.engine, wl.get("name", ""), json.dumps(wl.get("arrivals", {}), sort_keys=True),
+                "" if wl.get("max_concurrency") is None else f"concurrency {wl['max_concurrency']}",
                 json.dumps(self.changes, sort_keys=True, default=str))
 
     def to_dict(self, include_records: bool = False) -> dict[str, Any]:
         d = {k: _jsonable(getattr(self, k)) for k in ("id", "kind", "engine", "config", "changes", "workload",
                                                          "metrics", "label", "sweep", "point", "repeat", "time",
-                                                         "note")}
+                                                         "note", "provenance")}
         if include_records:
             d["records"] = [r.to_dict(tokens=True) if hasattr(r, "to_dict") else _jsonable(r) for r in self.records]
         return d
@@ -102,7 +107,7 @@ class Run:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Run":
         kw = {k: d[k] for k in ("id", "kind", "engine", "config", "changes", "workload", "metrics", "label",
-                                "sweep", "point", "repeat", "time", "note") if k in d}
+                                "sweep", "point", "repeat", "time", "note", "provenance") if k in d}
         run = cls(**kw)
         run.records = list(d.get("records", []))
         return run
@@ -279,11 +284,30 @@ def summary_frame(groups: Iterable[list[Run]], figures: Iterable[str] | None = N
     for g, ch in zip(groups, names):
         row: dict[str, Any] = {"engine": g[0].engine, "workload": g[0].workload.get("name", ""),
                                "change": change_text(ch), "n": len(g), "ids": [r.id for r in g], **ch}
+        if g[0].provenance and g[0].provenance.get("kind") != "measured":
+            row["prediction"] = provenance_text(g[0].provenance)
         for f in figs:
             s = spread([r.metrics.get(f) for r in g])
             row.update({f"{f}_median": s[0], f"{f}_min": s[1], f"{f}_max": s[2]})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def provenance_text(prov: Mapping[str, Any]) -> str:
+    """A short label of a run's provenance: "measured", "datasheet (unverified)", "fitted from 3 runs (+-2.1 %)",
+    "calibrated on this CPU (+-41.9 %)"."""
+    kind = prov.get("kind", "")
+    err = prov.get("loo_error_pct") if prov.get("loo_error_pct") is not None else prov.get("error_pct")
+    pm = f" (+-{err:.1f} %)" if isinstance(err, (int, float)) else ""
+    if kind == "datasheet":
+        return "datasheet (unverified)"
+    if kind == "fitted":
+        return f"fitted from {prov.get('runs')} runs{pm}"
+    if kind == "calibrated":
+        return f"calibrated on this CPU{pm}"
+    if kind == "custom":
+        return "custom profile (unverified)"
+    return str(kind)
 
 
 def spread(values: Iterable[Any]) -> tuple[float | None, float | None, float | None]:

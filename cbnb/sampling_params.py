@@ -27,6 +27,10 @@ logprobs = k > 0, the k most likely tokens of that distribution with theirs (Ope
 
 `stop`: strings that end the request once they appear in the generated text (see `cbnb.stops`).
 
+`grammar`: structured output (`cbnb.structured.CompiledGrammar`, built by `Engine.submit` from `response_format` /
+`json_schema`): after the processors, every token the grammar does not allow at that point is -inf (greedy and
+sampled rows alike; see `cbnb.runner.grammar`).
+
 Every bad value raises `ValueError` naming the field and its allowed range; `check_vocab` checks token ids against a
 vocabulary once it is known.
 """
@@ -184,6 +188,7 @@ class SamplingParams:
         forced_bos_token_id: a token id or None. forced_eos_token_id: token ids (empty: off).
         suppress_tokens, begin_suppress_tokens: token ids.
         stop: stop strings. logprobs: None, or 0..`MAX_LOGPROBS` alternatives per token.
+        grammar: None, or a compiled grammar (an object with ``matcher()``: `cbnb.structured.CompiledGrammar`).
 
     Raises:
         ValueError: naming the field and its allowed range.
@@ -213,6 +218,7 @@ class SamplingParams:
     begin_suppress_tokens: Any = ()
     stop: Any = ()
     logprobs: int | None = None
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -259,6 +265,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] (top alternatives per token) or None",
                   self.logprobs)
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            _fail("grammar", "None or a compiled grammar (cbnb.structured.request_grammar)", self.grammar)
 
     @staticmethod
     def normalize_eos(eos: int | Iterable[int] | None, name: str = "eos_token_id") -> frozenset[int]:
@@ -303,8 +311,8 @@ class SamplingParams:
 
     @cached_property
     def plain(self) -> bool:
-        """Greedy with no processor and no logprobs: the argmax of the raw logits is the token."""
-        return self.greedy and self.logprobs is None and not self.processors
+        """Greedy with no processor, no grammar and no logprobs: the argmax of the raw logits is the token."""
+        return self.greedy and self.logprobs is None and not self.processors and self.grammar is None
 
     def describe(self) -> list[str]:
         """What this request applies, in order, as short "name=value" strings (telemetry: the board, events)."""
@@ -332,6 +340,8 @@ class SamplingParams:
             out.append(f"logprobs={self.logprobs}")
         if self.stop:
             out.append(f"stop({len(self.stop)})")
+        if self.grammar is not None:
+            out.append(self.grammar.describe())
         return tuple(out)
 
     def check_vocab(self, vocab_size: int) -> None:

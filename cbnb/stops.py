@@ -1,8 +1,8 @@
 """Stop strings: find them in a request's generated text as tokens arrive (torch-free; runs on the engine thread).
 
-`StopMatcher` decodes the generated tokens incrementally (each new token's text is the difference between decoding
-a short window of tokens ending with it and the same window without it, the scheme of vLLM's incremental
-detokenizer; an incomplete UTF-8 tail waits for the next token), and searches each new piece of text, together with
+`StopMatcher` decodes the generated tokens incrementally with `cbnb.detok.IncrementalDetokenizer` (the same
+offset-based detokenizer a handle's stream uses: a short tail window per token, an incomplete UTF-8 tail waits for
+the next token), and searches each new piece of text, together with
 the tail it may complete, for every stop string, so a stop string that spans several tokens is found. The first stop
 string to complete wins, as if the text arrived one character at a time (the one that ends first; of those ending at
 the same character, the longest), so how the text is cut into tokens does not matter.
@@ -26,7 +26,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, Sequence
 
-__all__ = ["StopMatcher"]
+from .detok import IncrementalDetokenizer
+
+__all__ = ["StopMatcher", "TextStopFilter", "held_suffix"]
 
 _INF = float("inf")
 
@@ -54,43 +56,23 @@ class StopMatcher:
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
         self._longest = max(len(s) for s in self.stops)
-        self.ids: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.ids = self.detok.ids
         self.text = ""
         self._ends: list[float] = []  # per token: the text length once its characters are out (inf: not yet)
-        self._prefix = 0  # decoding window: tokens [prefix, read) are decoded text already emitted
-        self._read = 0
         self.stop: str | None = None
         self.kept_tokens = 0
         self.safe_tokens = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _new_text(self) -> str | None:
-        """Text added by the newest token(s) ("" for a token without text, None while the text ends in an
-        incomplete UTF-8 character)."""
-        before = self._decode(self.ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        after = self._decode(self.ids[self._prefix:])
-        if after.endswith("\ufffd"):
-            return None
-        if after.startswith(before):
-            new = after[len(before):]
-        else:  # decoding the window changed its earlier text (a tokenizer clean-up rule): compare whole texts
-            full = self._decode(self.ids)
-            new = full[len(self.text):] if full.startswith(self.text) else ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return new
 
     def push(self, token: int) -> bool:
         """Add one generated token. True when a stop string is now complete (then `text`, `kept_tokens` and
         `stop` say where; further pushes are ignored)."""
         if self.stop is not None:
             return True
-        self.ids.append(int(token))
         self._ends.append(_INF)
         start = len(self.text)
-        new = self._new_text()
-        if new is None:
+        new = self.detok.push((token,))
+        if self.detok.held:  # an incomplete character: its token's text comes with the next one
             return False
         self.text += new
         end = len(self.text)
@@ -116,12 +98,53 @@ class StopMatcher:
         return False
 
     def _held(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self.text
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return held_suffix(self.text, self.stops)
+
+
+def held_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `stops` (what must wait)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class TextStopFilter:
+    """Stop strings found in streamed *text*, for an engine-like that does not take ``stop`` itself.
+
+    `cbnb.Engine` finds stop strings on its token stream (`StopMatcher`), so the server passes ``stop`` to it; the
+    server uses this filter only for an engine-like whose `cbnb.engine_like.submit_keywords` lack ``stop``. Same
+    rule as `StopMatcher`: the stop string that completes first wins (of those completing at the same character,
+    the longest), whatever the pushes' split.
+
+    Args:
+        stops: strings (empty ones are dropped).
+
+    `push(text)` returns what may be sent now (text that can no longer start a stop string); once a stop string
+    appears it returns the text before it and sets `stopped` (the caller then cancels the request). `flush()`
+    returns the held-back tail when the stream ends without a stop.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self.buf += text
+        hits = [(i + len(s), i) for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if hits:
+            out, self.buf, self.stopped = self.buf[:min(hits)[1]], "", True
+            return out
+        cut = len(self.buf) - held_suffix(self.buf, self.stops)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out

@@ -6,18 +6,22 @@ simulator (a cost model), so the same plans give the same events and the same fi
 - `events`, the `EventLog` (typed records of `cbnb.events`; only when `enabled`);
 - `run` and `total`, two `RunStats`: this run (since `reset_run()`) and cumulative (always kept).
 
-A driver calls, on its loop thread:
+Telemetry observes; it never decides. The loop calls the core (`core.add`, `core.schedule`, `core.apply`); the
+recorder hears what the core decided, and never calls back into it:
 
-- `admit(core, req)` for a submission (RequestAdded, then `core.add`, then RequestWarning when the request can never
-  fit the cache), `plan(core)` for a step (`core.schedule()` with its StepPlanned event placed before the cache
-  events the scheduling produced), `step_done(...)` once a step's tokens are applied (stats, prefix hits,
+- as the core's observer (`attach` subscribes it: ``core.observer``): `request_added` (RequestAdded, before
+  anything the admission caused), `request_warned` (RequestWarning: the request can never fit the cache),
+  `schedule_started` / `step_planned` (the StepPlanned record, placed before the cache events the scheduling
+  produced);
+- as the cache manager's `sink` (None when telemetry is off, which costs nothing): block events, each carrying what
+  it records (the shared blocks' refcounts included);
+- from the loop, with what a step produced: `step_done(...)` once a step's tokens are applied (stats, prefix hits,
   offloads, restores, transitions, CUDA-graph captures, StepTiming, KV usage samples), `request_done(req)` from the
   core's terminal callback;
 - `flush()` once per loop turn: the turn's events go to the log in one batch. Per-step records travel in that batch,
   never in shared fields that an overlapped step could overwrite.
 
-Give the cache manager `sink` (None when telemetry is off, which costs nothing). Times come from `clock`
-(`time.perf_counter` seconds by default; a simulator passes its virtual clock).
+Times come from `clock` (`time.perf_counter` seconds by default; a simulator passes its virtual clock).
 """
 
 from __future__ import annotations
@@ -63,14 +67,23 @@ class Recorder:
         self.pending: list[Event] = []
         self.core: Any = None
         self.cache: Any = None
+        self.step = 0  # the step number events are stamped with (the last planned)
+        self._mark = 0  # where this step's StepPlanned goes in `pending`
         self._emitted: dict[str, int] = {}  # request id -> transitions already announced
         self._kv_sample_t = float("-inf")
 
     def attach(self, core: Any, cache: Any) -> None:
-        """Record for this core and cache (after every (re)build); `detach()` forgets them."""
+        """Subscribe to this core's decisions (after every (re)build; the cache's events come through `sink`);
+        `detach()` unsubscribes."""
+        if self.core is not None and self.core.observer is self:
+            self.core.observer = None
         self.core, self.cache = core, cache
+        core.observer = self
+        self.step = core.step_id
 
     def detach(self) -> None:
+        if self.core is not None and self.core.observer is self:
+            self.core.observer = None
         self.core = self.cache = None
 
     @property
@@ -99,20 +112,20 @@ class Recorder:
                                           dict(after or {})))
 
     def _step_id(self) -> int:
-        return self.core.step_id if self.core is not None else 0
+        return self.step
 
     # ------------------------------------------------------------------------------------------ requests
-    def admit(self, core: Any, req: Request, *, resume: bool = False) -> bool:
-        """`core.add(req)` with its records. Returns what `add` returns."""
+    def request_added(self, req: Request, resume: bool) -> None:
+        """The core took a request (a resumed one, carried over a reconfigure, was announced already)."""
         if self.enabled and not resume:
-            self.pending.append(RequestAdded(core.step_id, self.clock(), req.request_id, len(req.prompt_ids),
+            self.pending.append(RequestAdded(self.step, self.clock(), req.request_id, len(req.prompt_ids),
                                              req.max_new_tokens, tuple(req.sampling.describe())))
-        had = req.warning
-        ok = core.add(req, resume=resume)
-        if self.enabled and req.warning is not None and req.warning != had:
-            self.pending.append(RequestWarning(core.step_id, self.clock(), req.request_id, "exceeds_cache",
+
+    def request_warned(self, req: Request) -> None:
+        """The core gave a request a warning at admission (it can never fit the cache)."""
+        if self.enabled:
+            self.pending.append(RequestWarning(self.step, self.clock(), req.request_id, "exceeds_cache",
                                                req.warning))
-        return ok
 
     def request_done(self, req: Request) -> None:
         """A request reached a terminal state (the core's `on_terminal`)."""
@@ -147,22 +160,23 @@ class Recorder:
         self._emitted[req.request_id] = len(tr)
 
     # ------------------------------------------------------------------------------------------ steps
-    def plan(self, core: Any) -> tuple[StepWork, float]:
-        """`core.schedule()` with its StepPlanned record. Returns (the step's work, the time scheduling began)."""
-        t0 = self.clock()
-        mark = len(self.pending)
-        work = core.schedule()
+    def schedule_started(self, step_id: int) -> None:
+        """The core began planning step `step_id`: its StepPlanned goes before the cache events that follow."""
+        self.step = step_id
+        self._mark = len(self.pending)
+
+    def step_planned(self, work: StepWork) -> None:
+        """The core planned a step: its StepPlanned record."""
         if self.enabled:
             p = work.plan
-            self.pending.insert(mark, StepPlanned(
-                work.step_id, t0, p.scheduler,
+            self.pending.insert(self._mark, StepPlanned(
+                work.step_id, work.t0, p.scheduler,
                 [(s.request_id, s.phase, s.num_tokens, s.start, s.prefix_hit_tokens) for s in p.scheduled],
                 [(k.reason.value, _ids(k.request_ids), dict(k.detail)) for k in p.skipped],
                 [(st.request_id, list(st.blocks_needed), list(st.blocks_available)) for st in p.stalled],
                 p.token_budget, p.num_tokens, p.num_prefill_tokens, p.num_decode_tokens, p.cache_budget,
                 p.cache_read_tokens, p.request_cap, len(p.scheduled), p.free_fraction, p.safety_margin,
             ))
-        return work, t0
 
     def step_done(self, work: StepWork, result: StepResult, t0: float, t1: float, t2: float) -> None:
         """A step whose tokens were applied: it ran over [t0, t1] and its update took [t1, t2] (seconds)."""
@@ -228,8 +242,7 @@ class Recorder:
                 if dem:
                     ev.append(BlocksDemoted(step, t, g, list(dem)))
             if kw["shared"]:
-                full = self.cache.full
-                ev.append(BlocksShared(step, t, rid, list(kw["shared"]), [full.refcount[b] for b in kw["shared"]]))
+                ev.append(BlocksShared(step, t, rid, list(kw["shared"]), list(kw["refcounts"])))
         elif kind == "blocks_freed":
             ev.append(BlocksFreed(step, t, rid, [list(f) for f, _ in kw["per_group"]],
                                   [list(c) for _, c in kw["per_group"]]))

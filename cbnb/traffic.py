@@ -27,31 +27,20 @@ Every generator takes a `random.Random`, so the same seed gives the same numbers
 `random` algorithms are fixed across platforms). `spec()` describes a generator as a JSON-able dict, and
 `from_spec` rebuilds it (the run log stores specs).
 
-Trace files (`read_trace`): one request per JSONL line or CSV row, with the fields
-
-=================  ========  =================================================================================
-field              required  meaning
-=================  ========  =================================================================================
-``arrival_s``      yes       seconds from the start (a number >= 0; rows need not be sorted)
-``prompt_tokens``  one of    prompt length in tokens (an integer >= 1): the prompt is random token ids
-``prompt``         these     the prompt text (tokenised by the engine, or by `workloads.from_trace`'s tokenizer)
-``output_tokens``  yes       tokens to generate (an integer >= 1; EOS is ignored)
-=================  ========  =================================================================================
-
-CSV files have a header row naming the columns (any order; extra columns are ignored). JSONL lines are objects;
-blank lines and lines starting with ``#`` are skipped. A bad row raises `TraceError` naming the file, the line
-(1-based, the CSV header is line 1) and the column.
+Trace files: `read_trace` / `write_trace` (JSONL or CSV: ``arrival_s``, ``prompt_tokens`` or ``prompt``,
+``output_tokens``, and what a row shares: ``prefix`` / ``prefix_tokens`` or ``hash_ids``) live in `cbnb.traces`,
+which documents the format; they are re-exported here.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
+
+from .traces import TraceError, TraceRow, read_trace, write_trace  # re-exported: the trace format
 
 __all__ = [
     "Offline", "Poisson", "Gamma", "Fixed", "Uniform", "LogNormal", "Empirical", "from_spec",
@@ -274,123 +263,3 @@ def from_spec(spec: dict[str, Any]) -> Any:
     if cls is Empirical:
         kw["values"] = tuple(kw["values"])
     return cls(**kw)
-
-
-# ---------------------------------------------------------------------------------------------------- traces
-class TraceError(ValueError):
-    """A bad row in a trace file; `path`, `line` (1-based) and `column` say where."""
-
-    def __init__(self, path: str, line: int, column: str | None, message: str) -> None:
-        self.path, self.line, self.column = path, line, column
-        where = f"{path}, line {line}" + (f", column {column!r}" if column else "")
-        super().__init__(f"{where}: {message}")
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    """One request of a trace: arrival time (s), prompt length or text, output tokens."""
-
-    arrival_s: float
-    output_tokens: int
-    prompt_tokens: int | None = None
-    prompt: str | None = None
-
-
-_FIELDS = ("arrival_s", "prompt_tokens", "prompt", "output_tokens")
-
-
-def _number(raw: Any, path: str, line: int, col: str, *, integer: bool) -> float | int:
-    if isinstance(raw, bool) or raw is None or (isinstance(raw, str) and not raw.strip()):
-        raise TraceError(path, line, col, f"must be {'an integer >= 1' if integer else 'a number >= 0'}; "
-                                          f"got {raw!r}")
-    try:
-        v = float(raw)
-    except (TypeError, ValueError):
-        raise TraceError(path, line, col, f"must be {'an integer' if integer else 'a number'}; got {raw!r}") from None
-    if not math.isfinite(v):
-        raise TraceError(path, line, col, f"must be finite; got {raw!r}")
-    if integer:
-        if not v.is_integer() or v < 1:
-            raise TraceError(path, line, col, f"must be an integer >= 1; got {raw!r}")
-        return int(v)
-    if v < 0:
-        raise TraceError(path, line, col, f"must be >= 0 seconds; got {raw!r}")
-    return v
-
-
-def _row(rec: dict[str, Any], path: str, line: int) -> TraceRow:
-    for col in ("arrival_s", "output_tokens"):
-        if col not in rec or rec[col] is None or rec[col] == "":
-            raise TraceError(path, line, col, "is missing (required)")
-    arrival = _number(rec["arrival_s"], path, line, "arrival_s", integer=False)
-    out = _number(rec["output_tokens"], path, line, "output_tokens", integer=True)
-    has_len = rec.get("prompt_tokens") not in (None, "")
-    has_text = rec.get("prompt") not in (None, "")
-    if has_len == has_text:
-        raise TraceError(path, line, "prompt_tokens" if not has_len else "prompt",
-                         "give exactly one of prompt_tokens (a length) or prompt (text)")
-    if has_text:
-        if not isinstance(rec["prompt"], str):
-            raise TraceError(path, line, "prompt", f"must be text; got {type(rec['prompt']).__name__}")
-        return TraceRow(float(arrival), int(out), prompt=rec["prompt"])
-    n = _number(rec["prompt_tokens"], path, line, "prompt_tokens", integer=True)
-    return TraceRow(float(arrival), int(out), prompt_tokens=int(n))
-
-
-def read_trace(path: str | os.PathLike, fmt: str | None = None) -> list[TraceRow]:
-    """Read a JSONL or CSV trace (format from the extension, or `fmt` = "jsonl" / "csv"), in file order.
-
-    Raises:
-        TraceError: a bad row (file, 1-based line, column and what is wrong) or an empty trace.
-        ValueError: an unknown format.
-    """
-    p = os.fspath(path)
-    kind = fmt or ("csv" if p.lower().endswith(".csv") else "jsonl" if p.lower().endswith((".jsonl", ".json"))
-                   else None)
-    if kind not in ("csv", "jsonl"):
-        raise ValueError(f"trace format must be 'jsonl' or 'csv' (from the file extension or fmt=); got {p!r}")
-    rows: list[TraceRow] = []
-    with open(p, newline="", encoding="utf-8") as f:
-        if kind == "csv":
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            for col in ("arrival_s", "output_tokens"):
-                if col not in header:
-                    raise TraceError(p, 1, col, f"the header has no {col!r} column (columns: {', '.join(header)})")
-            if "prompt_tokens" not in header and "prompt" not in header:
-                raise TraceError(p, 1, "prompt_tokens", "the header needs a 'prompt_tokens' or a 'prompt' column")
-            for rec in reader:
-                if None in rec:  # more cells than header columns
-                    raise TraceError(p, reader.line_num, None,
-                                     f"{len(header) + len(rec[None])} cells but the header has {len(header)}")
-                rows.append(_row(rec, p, reader.line_num))
-        else:
-            for i, text in enumerate(f, start=1):
-                s = text.strip()
-                if not s or s.startswith("#"):
-                    continue
-                try:
-                    rec = json.loads(s)
-                except json.JSONDecodeError as e:
-                    raise TraceError(p, i, None, f"not valid JSON ({e.msg} at character {e.colno})") from None
-                if not isinstance(rec, dict):
-                    raise TraceError(p, i, None, f"must be a JSON object; got {type(rec).__name__}")
-                rows.append(_row(rec, p, i))
-    if not rows:
-        raise TraceError(p, 1, None, "the trace has no requests")
-    return rows
-
-
-def write_trace(path: str | os.PathLike, rows: Sequence[TraceRow]) -> None:
-    """Write rows as JSONL (``.jsonl``) or CSV (``.csv``) in the format `read_trace` reads."""
-    p = os.fspath(path)
-    recs = [{k: getattr(r, k) for k in _FIELDS if getattr(r, k) is not None} for r in rows]
-    with open(p, "w", newline="", encoding="utf-8") as f:
-        if p.lower().endswith(".csv"):
-            w = csv.DictWriter(f, fieldnames=list(_FIELDS))
-            w.writeheader()
-            for r in recs:
-                w.writerow(r)
-        else:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")

@@ -52,15 +52,16 @@ drives every helper through an engine-like object that has nothing more than thi
 
 from __future__ import annotations
 
-import inspect
 import itertools
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .driver import Driver
+from .engine_like import marks_runs
 from .metrics import FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
-from .runs import Run, RunLog, change_text, run_log, spread, summary_frame
+from .runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
 
 __all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
            "workload_info"]
@@ -71,12 +72,34 @@ def engine_name(engine: Any) -> str:
     return str(getattr(engine, "engine_name", "cbnb"))
 
 
-def workload_info(workload: Any, time_scale: float = 1.0, label: str = "") -> dict[str, Any]:
-    """What the run log stores about a workload (`label`: a sweep's name for it, e.g. "load 0.9")."""
+def provenance(engine: Any) -> dict[str, Any]:
+    """Where an engine's figures come from: a simulator's profile's `HardwareProfile.trust()` (kind "datasheet",
+    "calibrated" or "fitted", its error, what it can be trusted for, and that the simulator predicts cbnb's
+    scheduler, not vLLM's); {"kind": "measured"} for any other engine."""
+    prof = getattr(engine, "profile", None)
+    trust = getattr(prof, "trust", None)
+    if callable(trust):
+        out = dict(trust())
+        out["profile"] = getattr(prof, "name", "")
+        out["scheduler"] = SIM_SCHEDULER_NOTE
+        return out
+    return {"kind": "measured"}
+
+
+#: Said wherever a simulated prediction is read.
+SIM_SCHEDULER_NOTE = ("the simulator replays cbnb's own scheduler (transformers' policy), not vLLM's or SGLang's: "
+                      "its figures predict cbnb on that hardware")
+
+
+def workload_info(workload: Any, time_scale: float = 1.0, label: str = "",
+                  max_concurrency: int | None = None) -> dict[str, Any]:
+    """What the run log stores about a workload (`label`: a sweep's name for it, e.g. "load 0.9";
+    `max_concurrency`: the closed loop's bound, None for open loop)."""
     tr = dict(getattr(workload, "traffic", {}) or {})
     return {"name": workload.name, "label": label, "requests": workload.num_requests,
             "prompt_tokens": workload.prompt_tokens, "output_tokens": sum(workload.max_new_tokens),
-            "arrivals": tr.get("arrivals", {"kind": "offline"}), "traffic": tr, "time_scale": time_scale}
+            "arrivals": tr.get("arrivals", {"kind": "offline"}), "traffic": tr, "time_scale": time_scale,
+            "max_concurrency": max_concurrency}
 
 
 def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
@@ -97,11 +120,7 @@ def reconfigure(engine: Any, config: Any, *, log: RunLog | None = None) -> Any:
 def _reset_stats(engine: Any, label: str) -> None:
     """`engine.reset_stats()`, labelled as a workload run where the engine marks runs (cbnb's live plots start a
     segment there, `cbnb.events.RunStarted`); engine-likes without run markers take no arguments."""
-    try:
-        marks = "cause" in inspect.signature(engine.reset_stats).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin or C method)
-        marks = False
-    if marks:
+    if marks_runs(engine):  # declared by the engine (`cbnb.engine_like`)
         engine.reset_stats(label, cause="workload")
     else:
         engine.reset_stats()
@@ -110,7 +129,7 @@ def _reset_stats(engine: Any, label: str) -> None:
 def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: Any = None,
                  timeout: float | None = 3600.0, label: str = "", log: bool | RunLog = True,
                  reset_stats: bool = True, time_scale: float = 1.0, submit_kwargs: dict[str, Any] | None = None,
-                 workload_label: str = "", **extra: Any) -> Run:
+                 workload_label: str = "", max_concurrency: int | None = None, **extra: Any) -> Run:
     """Drive `workload` through `engine` at its arrival times and return the `Run` (also appended to the log).
 
     Args:
@@ -122,6 +141,8 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         reset_stats: start a new ``engine.stats()["run"]`` first (the run's KV / offload figures come from it).
         time_scale, submit_kwargs: passed to `Driver`.
         workload_label: stored with the workload (a sweep's name for it).
+        max_concurrency: closed loop: at most this many requests in flight, the next one submitted when one ends
+            (`cbnb.driver`; vLLM's ``bench serve --max-concurrency``); None: open loop at the arrival times.
         extra: stored on the run (sweep, point, repeat, note).
 
     Warns:
@@ -132,7 +153,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
         TimeoutError: the run did not end within `timeout`.
     """
     driver = Driver(engine, workload, clock=clock if clock is not None else getattr(engine, "driver_clock", None),
-                    time_scale=time_scale, submit_kwargs=submit_kwargs)
+                    time_scale=time_scale, submit_kwargs=submit_kwargs, max_concurrency=max_concurrency)
     if driver.clock.threaded and hasattr(engine, "start"):
         engine.start()  # on a virtual clock the caller's thread drives the engine: no thread of its own
     if reset_stats and hasattr(engine, "reset_stats"):
@@ -144,8 +165,9 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     metrics.update(engine_figures(stats.get("run") if isinstance(stats, Mapping) else None))
     config = getattr(engine, "user_config", None) or getattr(engine, "config", None)
     target = log if isinstance(log, RunLog) else (run_log(engine) if log else RunLog(base=config))
-    return target.add("run", engine=engine_name(engine), config=config,
-                      workload=workload_info(workload, time_scale, workload_label), metrics=metrics, records=records,
+    return target.add("run", engine=engine_name(engine), config=config, provenance=provenance(engine),
+                      workload=workload_info(workload, time_scale, workload_label, max_concurrency), metrics=metrics,
+                      records=records,
                       label=label, **extra)
 
 
@@ -225,12 +247,18 @@ class SweepResult:
         return [by[k] for k in sorted(by)]
 
     def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
-        """One row per point (and workload): its changes, n, and ``<figure>_median/_min/_max``."""
+        """One row per point (and workload): its changes, n, ``<figure>_median/_min/_max``, and for simulated runs a
+        ``prediction`` column (`cbnb.runs.provenance_text`: datasheet / fitted from N runs +- error / calibrated)."""
         groups = self.groups(workload)
         df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
         if self.workloads:
             df.insert(1, "load", [g[0].workload.get("label", "") for g in groups])
         return df
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """Where the sweep's figures come from (its first run's `Run.provenance`; empty before any run)."""
+        return dict(self.runs[0].provenance) if self.runs else {}
 
     def best(self, figure: str, higher: bool | None = None, workload: str | None = None) -> "Verdict":
         """`best` over this sweep's points (one workload's, when the sweep ran several)."""
@@ -240,7 +268,7 @@ class SweepResult:
 def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]], *,
           repeats: int = 3, base: Any = None, derive: Callable[[dict], Mapping[str, Any]] | None = None,
           slo: SLO | None = None, warmup: bool = True, progress: bool = True, timeout: float | None = 3600.0,
-          log: RunLog | None = None, clock: Any = None) -> SweepResult:
+          log: RunLog | None = None, clock: Any = None, max_concurrency: int | None = None) -> SweepResult:
     """Run `workload` at every config point, `repeats` times, interleaved round-robin (p1, p2, ..., p1, p2, ...).
 
     Args:
@@ -257,6 +285,7 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         timeout: wall seconds for each run (`run_workload`).
         log: the run log to record into (default: the engine's, `run_log(engine)`).
         clock: the driver's clock for every run (default: as `run_workload`).
+        max_concurrency: closed loop for every run (`run_workload`); None: open loop.
 
     A point the engine cannot take (``reconfigure``, the warm-up or the run raises MemoryError or ValueError, e.g.
     its cache does not fit) is recorded in `SweepResult.failed` with its error, and the sweep goes on with the next
@@ -286,7 +315,12 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
     result = SweepResult(sid, [c[0] for c in configs], log=log, workloads=[k for k in wls if k])
     order = [(r, w, p) for r in range(repeats) for w in wls for p in range(len(configs))]
     if progress:  # what "goodput" below counts (the default SLO is strict: on a CPU it is often 0)
-        print(f"{sid}: {len(order)} runs; goodput = requests/s that met {slo or SLO()}")
+        print(f"{sid}: {len(order)} runs; goodput = requests/s that met {slo or SLO()}"
+              + ("" if max_concurrency is None else f"; closed loop, {max_concurrency} in flight"))
+        prov = provenance(engine)
+        if prov.get("kind") != "measured":
+            print(f"{sid}: predictions from profile {prov.get('profile', '?')}: {provenance_text(prov)}; "
+                  f"{prov['what']}; {SIM_SCHEDULER_NOTE}")
     for k, (rep, wname, p) in enumerate(order):
         wl = wls[wname]
         full, cfg = configs[p]
@@ -297,7 +331,8 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
                 engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
                                 ignore_eos=True)
             run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                               workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock)
+                               workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
+                               max_concurrency=max_concurrency)
         except (MemoryError, ValueError) as e:
             result.failed.append({"point": p, "repeat": rep, "workload": wname, "change": change_text(full),
                                   "error": f"{type(e).__name__}: {e}"})
@@ -350,6 +385,9 @@ class Verdict:
             the first `TIE_LIST_MAX`).
         skipped: (change text, why) of the points left out: runs with failed requests, or points a sweep could not
             run (`SweepResult.failed`).
+        model_error_pct: for simulated runs, the error their profile admits (`cbnb.tuning.provenance`: a fitted
+            profile's leave-one-out error, a calibrated CPU's validation error); points closer than that to the best
+            are a tie. None: real runs, or a datasheet profile (no known error).
         text: the sentence to print.
     """
 
@@ -361,6 +399,7 @@ class Verdict:
     tied_with: list[str]
     text: str
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    model_error_pct: float | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -405,6 +444,10 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         figure: a metric name, e.g. "goodput_requests_per_s", "ttft_s_p99".
         higher: whether higher is better (default: from the name, `cbnb.metrics.higher_is_better`).
         workload: for a sweep over several workloads, the one to judge (its label, e.g. "load 0.9").
+
+    Simulated runs whose profile has a known error (`Verdict.model_error_pct`: a fitted profile's leave-one-out
+    error, a calibrated CPU profile's validation error) tie when their medians differ by less than that error,
+    even though a simulation has no noise; a datasheet profile has no known error and says so.
 
     A point any of whose runs had failed requests is not a candidate (its figures cover the other requests only):
     it is left out of the ranking, and the text says which points were skipped and why; so are the points a sweep
@@ -472,6 +515,16 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     runs_txt = f"{ns[0]} run{'s' if ns[0] > 1 else ''} each" if len(ns) == 1 else f"{ns[0]}-{ns[-1]} runs each"
     one_run = ns[-1] < 2
     simulated = one_run and all(_simulated(r) for g in groups for r in g)  # deterministic: no noise to measure
+    err, err_src = _model_error(groups)
+    by_error: list = []
+    if err is not None and not tied:  # a simulation's figures are only as good as its profile
+        by_error = [r for r in have[1:] if abs(r[1] - top[1]) <= err / 100.0 * max(abs(r[1]), abs(top[1]))]
+    if by_error:
+        others = _listed([f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in by_error])
+        text = (f"Tie within the model's error on {label}: best {top[0]} {_rng(top[1], top[2], top[3], digits)} "
+                f"differs from {others} by less than the profile's error of {err:.1f} % ({err_src}).")
+        return Verdict(figure, up, None, True, ranking, [r[0] for r in by_error], text + skip_txt, skipped,
+                       model_error_pct=err)
     if tied:
         others = _listed([f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied])
         if simulated:  # the figures are equal
@@ -480,14 +533,41 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         else:
             text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} "
                     f"overlaps {others} (median [min-max] over {runs_txt}).")
-        return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text + skip_txt, skipped)
+        return Verdict(figure, up, None, True, ranking, [r[0] for r in tied], text + skip_txt, skipped,
+                       model_error_pct=err)
     second = have[1] if len(have) > 1 else None
     note = ""
     if one_run:
         note = (" One run per point of a simulation (deterministic: a repeat gives the same figures); its error "
                 "against a real engine is not in these numbers." if simulated
                 else " One run per point: the noise was not measured, so treat this as provisional.")
+    if err is not None:
+        note += f" The winner leads by more than the profile's error of {err:.1f} % ({err_src})."
+    elif any(_simulated(r) for g in groups for r in g):
+        kinds = {r.provenance.get("kind") for g in groups for r in g if _simulated(r)}
+        if "datasheet" in kinds:
+            note += (" A datasheet profile (never checked on the device): trust the ranking of configs, not the "
+                     "absolute figures.")
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
             f"{runs_txt}; no range overlaps the winner's).{note}{skip_txt}")
-    return Verdict(figure, up, top[5], False, ranking, [], text, skipped)
+    return Verdict(figure, up, top[5], False, ranking, [], text, skipped, model_error_pct=err)
+
+
+def _model_error(groups: list[list[Run]]) -> tuple[float | None, str]:
+    """The largest error (percent) the simulated runs' profiles admit (leave-one-out when known), and where it comes
+    from; (None, "") when a run is not simulated or a profile has no known error (a datasheet profile)."""
+    errs, srcs = [], set()
+    for g in groups:
+        for r in g:
+            prov = getattr(r, "provenance", None) or {}
+            if not _simulated(r):
+                return None, ""
+            e = prov.get("loo_error_pct") if prov.get("loo_error_pct") is not None else prov.get("error_pct")
+            if not isinstance(e, (int, float)) or not math.isfinite(e):
+                return None, ""
+            errs.append(float(e))
+            srcs.add(provenance_text(prov))
+    if not errs:
+        return None, ""
+    return max(errs), "; ".join(sorted(srcs))

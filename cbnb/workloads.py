@@ -53,7 +53,7 @@ from typing import Any, Sequence
 from . import traffic as tr
 
 __all__ = ["Workload", "WORKLOADS", "get_workload", "FIRST_ID", "synthetic", "with_arrivals", "from_trace",
-           "CPU_POISSON_RATE", "CPU_POISSON_CALIBRATION"]
+           "trace_rows", "CPU_POISSON_RATE", "CPU_POISSON_CALIBRATION"]
 
 FIRST_ID = 32
 
@@ -284,30 +284,100 @@ def with_arrivals(workload: Workload, arrivals: Any, *, seed: int | None = None,
     return replace(workload, name=name or workload.name, arrival_s=times, traffic=traffic)
 
 
-def from_trace(path: str | os.PathLike, *, name: str | None = None, model: str = "smollm2-135m",
-               vocab_size: int = 49152, seed: int = 0, tokenizer: Any = None,
-               config_hints: dict[str, Any] | None = None) -> Workload:
-    """A workload from a JSONL/CSV trace (`cbnb.traffic.read_trace`): one request per row, in file order.
+def from_trace(path: str | os.PathLike | Sequence[tr.TraceRow], *, name: str | None = None,
+               model: str = "smollm2-135m", vocab_size: int = 49152, seed: int = 0, tokenizer: Any = None,
+               config_hints: dict[str, Any] | None = None, block_size: int = 512) -> Workload:
+    """A workload from a JSONL/CSV trace (`cbnb.traffic.read_trace`), or from its rows: one request per row, in order.
 
     Rows with ``prompt_tokens`` get that many seeded random ids; rows with ``prompt`` text are tokenised with
     `tokenizer` when given (``tokenizer(text)["input_ids"]``), else kept as text for the engine to tokenise.
 
+    Sharing becomes equal ids: a row of ``prefix`` group *g* starts with the first ``prefix_tokens`` ids of *g*'s
+    own seeded sequence (one per group, drawn once, as long as the group's longest prefix); a row with ``hash_ids``
+    is the concatenation of one seeded block of ``block_size`` ids per hash id (the same id gives the same block,
+    wherever it appears), cut to ``prompt_tokens``, and padded with the row's own random ids when the hash ids cover
+    fewer tokens. `block_size` applies to rows without their own (512: Mooncake's).
+
     Raises:
         cbnb.traffic.TraceError: a bad row (file, line, column).
     """
-    rows = tr.read_trace(path)
+    if isinstance(path, (str, os.PathLike)):
+        rows = tr.read_trace(path, block_size=block_size)
+        src = os.fspath(path)
+    else:
+        rows = list(path)
+        src = name or "rows"
+        if not rows:
+            raise ValueError("from_trace: no rows")
     rng = random.Random(f"trace:{seed}")
+    groups: dict[str, list[int]] = {}
+    glen: dict[str, int] = {}
+    for r in rows:
+        if r.prefix is not None:
+            glen[r.prefix] = max(glen.get(r.prefix, 0), int(r.prefix_tokens or 0))
+    for g in sorted(glen):
+        groups[g] = _ids(random.Random(f"trace:{seed}:prefix:{g}"), glen[g], vocab_size)
+    blocks: dict[tuple[int, int], list[int]] = {}
     prompts: list[Any] = []
     for r in rows:
         if r.prompt is not None:
             prompts.append(list(tokenizer(r.prompt)["input_ids"]) if tokenizer is not None else r.prompt)
+            continue
+        n = int(r.prompt_tokens)
+        if r.hash_ids:
+            bs = int(r.block_size or block_size)
+            ids: list[int] = []
+            for h in r.hash_ids:
+                if len(ids) >= n:
+                    break
+                key = (h, bs)
+                if key not in blocks:
+                    blocks[key] = _ids(random.Random(f"trace:{seed}:block:{bs}:{h}"), bs, vocab_size)
+                ids.extend(blocks[key])
+            ids = ids[:n]
+        elif r.prefix is not None:
+            ids = groups[r.prefix][: int(r.prefix_tokens)]
         else:
-            prompts.append(_ids(rng, int(r.prompt_tokens), vocab_size))
-    nm = name or os.path.splitext(os.path.basename(os.fspath(path)))[0]
-    traffic = {"arrivals": {"kind": "trace", "path": os.fspath(path)}, "seed": seed}
+            ids = []
+        prompts.append(ids + _ids(rng, n - len(ids), vocab_size))
+    nm = name or os.path.splitext(os.path.basename(src))[0]
+    shared = sum(1 for r in rows if r.prefix is not None or r.hash_ids)
+    traffic = {"arrivals": {"kind": "trace", "path": src}, "seed": seed, "shared_requests": shared}
     return Workload(nm, model, prompts, [r.output_tokens for r in rows], dict(config_hints or {}),
-                    description=f"trace {os.fspath(path)} ({len(rows)} requests)",
+                    description=f"trace {src} ({len(rows)} requests)",
                     arrival_s=[r.arrival_s for r in rows], traffic=traffic)
+
+
+def trace_rows(workload: Workload, *, block_size: int = 16) -> list[tr.TraceRow]:
+    """The workload as trace rows (`cbnb.traffic.write_trace` writes them) that keep its prefix sharing.
+
+    Each row has ``prompt_tokens`` and ``hash_ids``: one id per full `block_size`-token block of its prompt, a
+    chain over the block's ids and every block before it (as a prefix cache hashes pages), so two prompts get the
+    same id at position *j* exactly when their first ``(j + 1) * block_size`` tokens are equal; a partial last
+    block gets an id of its own. Read back (`from_trace`), shared leading blocks are equal ids again, so the prefix
+    hits are the same on any ``page_size`` that is a multiple of `block_size` (the ids themselves are new).
+
+    Raises:
+        ValueError: a text prompt (no token ids to compare), or block_size < 1.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1; got {block_size!r}")
+    ids_of: dict[tuple, int] = {}
+    rows = []
+    for i, (p, n, t) in enumerate(zip(workload.prompts, workload.max_new_tokens, workload.arrival_s)):
+        if isinstance(p, str):
+            raise ValueError(f"trace_rows: prompt {i} is text; only token-id prompts can be written with sharing")
+        p = list(p)
+        hs, prev = [], None
+        for j in range(0, len(p), block_size):
+            blk = tuple(p[j:j + block_size])
+            key = (prev, blk) if len(blk) == block_size else ("partial", i, j)
+            if key not in ids_of:
+                ids_of[key] = len(ids_of)
+            prev = ids_of[key]
+            hs.append(prev)
+        rows.append(tr.TraceRow(float(t), int(n), prompt_tokens=len(p), hash_ids=tuple(hs), block_size=block_size))
+    return rows
 
 
 def _cpu_poisson(vocab: int, scale: float, seed: int, rate: float | None) -> Workload:

@@ -27,7 +27,7 @@ published by then is kept), and prints the plan with each part's cap first:
 8. ``variants``: the rest of the graphs x async matrix at ``--scale``, while time is left.
 
 ``--cpu-smoke`` runs every part's code path on CPU (tiny shapes, Triton's interpreter, the CUDA runner with fake
-graphs) in under a minute; CI runs it (``tests/test_gpu_check.py``). Run from the repository root with the
+graphs; each part a fork of one process that imported torch once) in under a minute; CI runs it (``tests/test_gpu_check.py``). Run from the repository root with the
 machine's python3 (no virtualenv; no gguf/ipywidgets needed)::
 
     scripts/gpu_check.sh            # = python3 scripts/gpu_check.py --out "${OUT:-gpu_check_out}"
@@ -125,21 +125,88 @@ def save(out: str) -> None:
 
 
 def run_part(name: str, cap: float, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    """Run one part (`scripts/gpu_check_units.py`) under `supervise`."""
-    cmd = [sys.executable, os.path.join(HERE, "gpu_check_units.py"), name, "--out", args.out, "--cap", f"{cap:.1f}",
-           "--scale", str(args.scale), "--hf-scale", str(args.hf_scale)] + (["--cpu-smoke"] if args.cpu_smoke else [])
-    return supervise(name, cmd, cap, args.out, env)
+    """Run one part (`scripts/gpu_check_units.py`) under `supervise`: a fresh interpreter on the GPU machine, a
+    fork of this process in the CPU smoke run (`ForkedPart`)."""
+    argv = [name, "--out", args.out, "--cap", f"{cap:.1f}", "--scale", str(args.scale),
+            "--hf-scale", str(args.hf_scale)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+    if args.cpu_smoke:
+        return supervise(name, lambda: ForkedPart(argv, env), cap, args.out)
+    return supervise(name, [sys.executable, os.path.join(HERE, "gpu_check_units.py")] + argv, cap, args.out, env)
 
 
-def supervise(name: str, cmd: list[str], cap: float, out: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+class ForkedPart:
+    """A part run in a fork of this process, which imported torch, transformers and cbnb once (`preload`): on
+    2 CPU cores a fresh interpreter spends ~4 s importing them, for each of the 8 parts. CPU only: CUDA does not
+    survive a fork, so the GPU run starts every part fresh. Has what `supervise` and `_stop` use of
+    `subprocess.Popen`: its own process group, ``pid``, ``returncode`` (negative: killed by that signal) and
+    ``wait(timeout)`` (raises `subprocess.TimeoutExpired`)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.argv, self.returncode = argv, None
+        self.pid = os.fork()
+        if self.pid == 0:  # the part
+            code = 1
+            try:
+                os.setpgid(0, 0)
+                os.environ.clear()
+                os.environ.update(env)
+                import gpu_check_units
+
+                code = gpu_check_units.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        try:
+            os.setpgid(self.pid, self.pid)  # also here: a stop right after the fork must find the group
+        except OSError:
+            pass  # the child did it first (or has already exited)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def preload(env: dict[str, str]) -> None:
+    """The CPU smoke run: take the parts' environment (set before torch / Triton read it), then import what every
+    part imports, once, for `ForkedPart`. Imports only: no thread (OpenMP's pool starts at the first op) and no
+    engine exists before a fork."""
+    os.environ.update(env)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import cbnb  # noqa: F401
+    import cbnb.models  # noqa: F401
+    import gpu_check_units  # noqa: F401
+
+
+def supervise(name: str, cmd: list[str] | Any, cap: float, out: str, env: dict[str, str] | None = None
+              ) -> dict[str, Any]:
     """Run `cmd` in its own process group, stopped (SIGTERM, then SIGKILL) once `cap` seconds have passed, so it
     cannot block beyond that; meanwhile mirror what it publishes to ``parts/<name>.json`` into gpu_check.json.
+    `cmd`: an argv, or a callable that starts the process and returns it (`ForkedPart`).
     Returns that file's content with seconds, cap_s, rc, timed_out and ok."""
     path = part_path(out, name)
     if os.path.exists(path):
         os.remove(path)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = cmd() if callable(cmd) else subprocess.Popen(cmd, env=env, start_new_session=True)
     timed_out = False
     last_mtime = 0.0
     while True:
@@ -265,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     open(_LOG_PATH, "w").close()
     RESULTS["args"] = vars(args)
     env = child_env(args)
+    if args.cpu_smoke:
+        preload(env)
     rows = plan(args.deadline, wanted)
     RESULTS["plan"] = [{"part": n, "cap_s": c, "ends_by_s": e, "what": w} for n, c, w, e in rows]
     print_plan(rows, args.deadline)

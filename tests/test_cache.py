@@ -524,3 +524,43 @@ def test_sink_receives_cache_events() -> None:
     assert kinds == ["blocks_allocated", "blocks_allocated", "blocks_deduplicated", "swapped_out", "blocks_freed"]
     assert events[0][1]["request_id"] == "a" and len(events[0][1]["new_blocks"][0]) == 3
     assert len(events[2][1]["pairs"]) == 2
+
+
+def test_a_step_carries_its_own_block_tables_and_slots():
+    """`StepWork.kv` (`cbnb.plan.StepKV`): per row and group the block table, the chunk's write slots, a sliding
+    chunk's earlier window slots, and a decode row's slot from its table: what the runners read instead of the
+    cache manager."""
+    from cbnb.config import ContinuousBatchingConfig
+    from cbnb.core import EngineCore
+    from cbnb.plan import decode_slot
+    from cbnb.requests import SamplingParams
+
+    groups = layer_groups(2, ["full_attention", "sliding_attention"], sliding_window=6)
+    layout = KVLayout(tuple(groups), 2, 8, 4, 4)
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=5).resolve("cpu")
+    cm = CacheManager(layout, 32)
+    core = EngineCore(cfg, cm)
+    core.add(Request("r", list(range(3, 17)), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    seen_ring = seen_decode = False
+    while core.has_work:
+        work = core.schedule()
+        kv = work.kv
+        assert kv.page_size == 4 and [g.window for g in kv.groups] == [0, 6]
+        for s in work.plan.scheduled:
+            row = kv.rows[s.request_id]
+            assert row.tables == [a.tables["r"] for a in cm.allocators]
+            end = s.start + s.num_tokens
+            if s.num_tokens == 1:
+                seen_decode = True
+                assert row.write_slots is None
+                assert [decode_slot(t, s.start, g.window, 4) for t, g in zip(row.tables, kv.groups)] == [
+                    a.write_slots("r", s.start, end)[0] for a in cm.allocators]
+            else:
+                assert row.write_slots == [a.write_slots("r", s.start, end) for a in cm.allocators]
+                if s.start > 0:
+                    seen_ring = True
+                    sliding = cm.allocators[1]
+                    assert row.window_slots[0] is None
+                    assert row.window_slots[1] == [sliding.slot("r", p) for p in range(*sliding.read_positions(s.start))]
+        core.apply(work, {s.request_id: 5 for s in work.plan.scheduled if s.samples})
+    assert seen_ring and seen_decode

@@ -525,7 +525,7 @@ def test_host_metadata_matches_cpu_batch_semantics():
         eng.core.add(Request(f"m{i}", p, SamplingParams(max_new_tokens=3)))
     work = eng.core.schedule()
     pair = r.pairs[0]
-    shape, lay, rows, _ = r._prepare(pair, work.plan.scheduled)
+    shape, lay, rows, _ = r._prepare(pair, work.plan.scheduled, work.kv)
     buf = pair.host_np
     assert shape.padded and shape.num_tokens == 32 and rows == {"m0": 0, "m1": 1}
     ids = lay.view(buf, "ids")

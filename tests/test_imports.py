@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import cbnb
 
 CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", "cbnb.cache.allocators",
         "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
         "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads",
         # the engine's runner-agnostic parts, shared with the simulator
         "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop",
-        "cbnb.explain", "cbnb.step_mode", "cbnb.sampling_params", "cbnb.generation", "cbnb.stops"]
+        "cbnb.explain", "cbnb.step_mode", "cbnb.sampling_params", "cbnb.generation", "cbnb.stops",
+        # the engine shell both engines share, its protocol, run segments, the incremental detokenizer
+        "cbnb.shell", "cbnb.engine_like", "cbnb.segments", "cbnb.detok"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
        "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
-       "cbnb.sim.heatmap", "cbnb.sim.compare"]
+       "cbnb.sim.heatmap", "cbnb.sim.compare", "cbnb.sim.executor", "cbnb.sim.driving"]
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -85,3 +91,112 @@ def test_runners_take_plan_types_from_plain_data_and_form_no_cycle():
     mods = _loaded_after("import cbnb.runner.cuda_runner")
     assert {"cbnb.runner.model_runner", "cbnb.plan"} <= mods and "cbnb.runner.factory" not in mods
     assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload"} & mods
+
+
+# ---------------------------------------------------------------------------------------------- import circles
+def _module_files(root: Path) -> dict[str, Path]:
+    """Every module of the `cbnb` package by dotted name (a package is its __init__)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The cbnb modules `name` imports anywhere in its body, function-level (lazy) imports included; imports under
+    ``if TYPE_CHECKING:`` never run and are left out. ``from pkg import x`` is an edge to ``pkg.x`` when that is a
+    module, else to ``pkg``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking_only(node)
+            for child in node.body for n in ast.walk(child)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    if "importlib" in path.read_text():  # `importlib.import_module("cbnb.x")` (the package's lazy attributes)
+        out |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n.value.startswith("cbnb.") and n.value in mods} - {name}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods:  # `import cbnb.sim.cost` -> cbnb.sim.cost; unknown tails -> their module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _module_files(Path(cbnb.__file__).parent)
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_walker_sees_lazy_imports():
+    g = import_graph()
+    assert "cbnb.explain" in g["cbnb.shell"]  # imported inside `EngineShell.explain`
+    assert "cbnb.engine" in g["cbnb"] and "cbnb.sim.engine" in g["cbnb.sim"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles_lazy_imports_included():
+    cycles = import_cycles(import_graph())
+    assert cycles == [], "import circles (each a strongly connected set of cbnb modules):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)

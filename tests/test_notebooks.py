@@ -1,4 +1,6 @@
-"""The example notebooks: committed without outputs, and each runs headless (nbclient) with CBNB_CI=1."""
+"""The example notebooks: committed without outputs, and each runs headless (nbclient) with CBNB_CI=1, except
+those a browser test runs whole (`helpers_notebooks.IN_BROWSER`, where the browser tests can run): one full
+execution of each notebook per suite."""
 
 from __future__ import annotations
 
@@ -6,9 +8,13 @@ import pathlib
 
 import nbformat
 import pytest
+from helpers_notebooks import EXPECT, IN_BROWSER, missing
+
+from ui.lab import skip_reason
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
+HEADLESS = [n for n in NOTEBOOKS if n not in IN_BROWSER or skip_reason()]
 
 
 def test_the_notebooks_exist():
@@ -38,24 +44,12 @@ def _texts(nb) -> str:
     return "\n".join(parts)
 
 
-# What each notebook must show once it ran: the numbers its conclusions are drawn from.
-EXPECT = {
-    "01_quickstart.ipynb": ["output tok/s", "ContinuousBatchingConfig("],
-    "02_tuning_page_size_and_safety_margin.ipynb": ["Fragmentation", "median [min-max]", "Greedy outputs identical",
-                                                    "ContinuousBatchingConfig(", "vllm serve"],
-    "03_prefix_caching.ipynb": ["of the prompt tokens were served from the cache"],
-    "04_offloading_and_soft_reset.ipynb": ["Without a swap pool the engine soft-reset"],
-    "05_what_if_production.ipynb": ["llama-3.1-8b: 32 layers", "configs x", "What the numbers say",
-                                    "goodput (req/s) by page_size x max_batch_tokens x safety_margin (best: ",
-                                    "winner: goodput", "ContinuousBatchingConfig(", "vllm serve meta-llama/Llama-3.1-8B",
-                                    "predicted"],
-    "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99", "cbnb_kv_usage_blocks_ratio",
-                                "stopped"],
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_notebook_has_its_expectations():
+    assert sorted(EXPECT) == NOTEBOOKS and set(IN_BROWSER) <= set(NOTEBOOKS)
+
+
+@pytest.mark.parametrize("name", HEADLESS)
 def test_notebook_runs_headless(name, monkeypatch, tmp_path):
     from nbclient import NotebookClient
 
@@ -68,7 +62,4 @@ def test_notebook_runs_headless(name, monkeypatch, tmp_path):
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(EXAMPLES)}}).execute()  # raises on any cell error
-    text = _texts(nb)
-    for needle in EXPECT[name]:
-        assert needle in text, f"{name}: expected {needle!r} in the outputs"
-    assert "Traceback" not in text
+    assert missing(name, _texts(nb)) == [], f"{name}: expected in the outputs"

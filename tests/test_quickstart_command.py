@@ -62,7 +62,7 @@ def test_quickstart_command_serves_the_notebook(tmp_path):
             except OSError:
                 pass
             assert time.monotonic() < deadline, "JupyterLab never became ready"
-            time.sleep(1)
+            time.sleep(0.2)
         url = f"{base}/api/contents/01_quickstart.ipynb?token={token}&content=1"
         with urllib.request.urlopen(url, timeout=10) as r:
             nb = json.load(r)

@@ -169,6 +169,15 @@ def test_echo_with_generation_and_several_choices(served, client):
     e = client.completions.create(model="tiny", prompt="cache page", max_tokens=3, temperature=0, echo=True)
     assert e.choices[0].text == "cache page" + engine_out(engine, "cache page", 3).text
     assert e.choices[0].logprobs is None
+    # streamed, too: the prompt's text is each choice's first chunk
+    chunks = list(client.completions.create(model="tiny", prompt=["cache page", "the dog"], max_tokens=3,
+                                            temperature=0, echo=True, stream=True))
+    for i, p in enumerate(["cache page", "the dog"]):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].text == p and mine[-1].finish_reason == "length"
+        assert "".join(c.text for c in mine) == p + engine_out(engine, p, 3).text
+    alone = list(client.completions.create(model="tiny", prompt="cache page", max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in alone if ch.choices) == "cache page"
 
 
 # ------------------------------------------------------------------------------------------------ n and batches
@@ -277,7 +286,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(served, http):
     ("completions", {"stop_token_ids": 5}, "stop_token_ids", "valid list"),
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens", "not supported yet"),
     ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported yet"),
-    ("completions", {"echo": True, "stream": True}, "echo", "not supported yet: echo with stream"),
+    ("completions", {"echo": True, "stream": True, "logprobs": 1}, "echo", "not supported yet: echo with stream"),
     ("completions", {"max_tokens": 0}, "max_tokens", "0 is allowed only with echo=true"),
     ("chat", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ("completions", {"metadata": {"a": 1}}, "metadata.a", "valid string"),

@@ -68,7 +68,7 @@ def err(r, status):
     (b'{"prompt": ["a", 5]}', "prompt", "a non-empty list of those"),
     (b'{"max_tokens": 3}', "prompt", "Missing required parameter: prompt"),
     (b'{"prompt": "x", "logprobs": 6}', "logprobs", "less than or equal to 5"),
-    (b'{"prompt": "x", "echo": true, "stream": true}', "echo", "not supported yet: echo with stream"),
+    (b'{"prompt": "x", "echo": true, "stream": true, "logprobs": 1}', "echo", "not supported yet: echo with stream"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "0 is allowed only with echo=true"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "only allowed with stream"),
 ])
@@ -83,9 +83,21 @@ def test_bad_completion_bodies_get_400_naming_the_field(http, body, param, words
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}, "tool_choice":
+      "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),
 ])
 def test_bad_chat_bodies_get_400_naming_the_field(http, body, param):
     assert err(http.post("/v1/chat/completions", json=body), 400)["param"] == param

@@ -136,7 +136,7 @@ def test_sdk_sees_openai_errors(client):
         client.completions.create(model="other", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=True, stream=True)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=True, stream=True, logprobs=1)
     assert e.value.body["message"].startswith("not supported yet: echo") and e.value.body["param"] == "echo"
     # the engine takes the penalties (generation parity): mapped, not refused
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2, frequency_penalty=0.5).choices

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cbnb.engine import Engine
 from cbnb.server.protocol import ApiError, parse_request
-from cbnb.server.stops import StopMatcher
+from cbnb.stops import TextStopFilter
 
 ENGINE_ARGS = frozenset(inspect.signature(Engine.submit).parameters)
 
@@ -67,7 +67,7 @@ def test_stop_matcher_equals_cutting_at_the_first_stop(text, stops, cuts):
     hits = [e - max(len(s) for s in stops if text[:e].endswith(s))
             for e in range(1, len(text) + 1) if any(text[:e].endswith(s) for s in stops)]
     want = text[:hits[0]] if hits else text
-    m, out, prev = StopMatcher(stops), [], 0
+    m, out, prev = TextStopFilter(stops), [], 0
     for c in sorted(set(cuts)) + [len(text)]:
         out.append(m.push(text[prev:c]))
         prev = max(prev, c)

@@ -3,6 +3,8 @@ plus the attention key count, the graph padding arithmetic and reading a real St
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cbnb.cache.manager import CacheManager
@@ -55,6 +57,24 @@ def test_gathered_decode_rows_use_the_measured_gather_rate():
     c = m.step(StepLoad.of([(9, 1, True), (19, 1, True)]))
     assert c.parts["attention"] == pytest.approx(2 * 4224 / 1e8)
     assert c.launch_s == pytest.approx(2 * 1e-5 + 2 * 1 * 2e-6 + 8e-6)  # one batched call per layer
+
+
+def test_decode_kernel_reads_pages_in_place_in_one_call_per_layer():
+    # With a measured kernel rate (float32), decode rows of 1 page and of several are one call per layer; counted
+    # bytes per layer: KV 4*32 + 10*32 + 20*32, q/o + new KV 3*96 -> 128 + 320 + 640 + 288 = 1376, no gather copy.
+    prof = CPU.replace(gather_bandwidth=1e8, decode_kernel_bandwidth=2e8)
+    c = CostModel(TOY, prof, CFG).step(StepLoad.of([(3, 1, True), (9, 1, True), (19, 1, True)]))
+    assert c.parts["attention"] == pytest.approx(2 * 1376 / 2e8)
+    assert c.launch_s == pytest.approx(2 * 1e-5 + 2 * 1 * 2e-6 + 8e-6)  # one kernel call per layer
+    # A prefill chunk in the same step keeps its own path (one call, its roofline) next to the kernel call.
+    both = CostModel(TOY, prof, CFG).step(StepLoad.of([(0, 4, True), (9, 1, True)]))
+    assert both.launch_s == pytest.approx(2 * 1e-5 + 2 * 2 * 2e-6 + 8e-6)
+    # The runner uses the kernel for float32 only: a bfloat16 shape costs the torch path.
+    bf = dataclasses.replace(TOY, dtype="bfloat16")
+    prof_bf = prof.replace(peak_flops={"bfloat16": 1e9})
+    plain = CostModel(bf, prof_bf.replace(decode_kernel_bandwidth=None), CFG).step(StepLoad.of([(9, 1, True)]))
+    kern = CostModel(bf, prof_bf, CFG).step(StepLoad.of([(9, 1, True)]))
+    assert kern.parts["attention"] == plain.parts["attention"] and kern.launch_s == plain.launch_s
 
 
 def test_prefill_chunks_by_hand():

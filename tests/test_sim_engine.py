@@ -274,3 +274,22 @@ def test_playback_at_speed_waits_for_simulated_time():
         assert late.result(timeout=30).state == RequestState.FINISHED and sim.now >= 1000.0
     finally:
         sim.stop()
+
+
+def test_reconfigure_keeps_counting_steps_and_starts_a_run_segment():
+    """The issue's reproducer: 4 requests, `reconfigure(page_size=32)`, 4 more: step ids never restart, and the
+    reconfigure is a `RunStarted` marker with the changed field (as on `cbnb.Engine`)."""
+    sim = SimEngine("qwen3-0.6b", "l4", ContinuousBatchingConfig(page_size=16))
+    for i in range(4):
+        sim.submit(list(range(100, 130 + i)), 3)
+    sim.run()
+    first = [e.step for e in sim.events.events("step_planned")]
+    sim.reconfigure(ContinuousBatchingConfig(page_size=32))
+    for i in range(4):
+        sim.submit(list(range(200, 230 + i)), 3)
+    sim.run()
+    steps = [e.step for e in sim.events.events("step_planned")]
+    assert steps[:len(first)] == first and steps == sorted(set(steps)) and len(steps) > len(first)
+    (mark,) = sim.events.events("run_started")
+    assert mark.cause == "reconfigure" and "page_size=32" in mark.label and mark.step == first[-1]
+    assert mark.config_before["page_size"] == 16 and mark.config_after["page_size"] == 32

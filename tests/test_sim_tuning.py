@@ -233,9 +233,9 @@ def test_an_unsorted_trace_is_driven_in_arrival_order_and_direct_out_of_order_su
         direct.submit(wl.prompts[1], 3, arrival_s=0.1)
 
 
-def test_a_simulations_story_and_the_controls_panel_without_step_mode():
-    """`SimEngine.explain` tells a request's story as `Engine.explain` does; the dashboard's step-mode buttons say
-    that a simulation plays at its speed instead of failing."""
+def test_a_simulations_story_and_the_controls_panel_steps_it():
+    """`SimEngine.explain` tells a request's story as `Engine.explain` does; the dashboard's step-mode buttons step a
+    simulation one scheduling step per click (the shared step mode, `cbnb.step_mode`)."""
     from cbnb.sim import SimEngine
     from cbnb.ui.controls import ControlsPanel
 
@@ -247,8 +247,14 @@ def test_a_simulations_story_and_the_controls_panel_without_step_mode():
     panel = ControlsPanel(sim, autostart=False)
     try:
         panel.pause()
-        assert panel.message_kind == "info" and "playback speed" in panel.message
-        assert panel.step() is False and not panel.stepping
+        assert sim.paused and "no step mode" not in panel.message
+        h2 = sim.submit(list(range(100, 110)), 2)
+        before = len(sim.events.events("step_planned"))
+        assert panel.step(wait=True) is True and not panel.stepping
+        assert len(sim.events.events("step_planned")) == before + 1 and not h2.done()
+        panel.resume()
+        assert not sim.paused
+        assert h2.result().state == RequestState.FINISHED
     finally:
         panel.close()
 

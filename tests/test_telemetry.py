@@ -257,3 +257,50 @@ def test_eventlog_threads_subscribe_and_export(tmp_path):
     assert len(lines) == 4002 and json.loads(lines[-1])["request_id"] == "r100"
     df = log.to_dataframe()
     assert len(df) == 4002 and "kind" in df.columns
+
+
+def test_the_recorder_observes_the_core_and_never_calls_it():
+    """Telemetry observes: the loop calls the core, the `Recorder` (the core's observer and the cache's sink) hears
+    what it decided, in order, and calls no method of the core or the cache manager."""
+    from cbnb.cache.layout import KVLayout, layer_groups
+    from cbnb.cache.manager import CacheManager
+    from cbnb.core import EngineCore
+    from cbnb.requests import Request, SamplingParams
+    from cbnb.telemetry import Recorder
+
+    class Watched:
+        """Counts the method calls made on the wrapped object while `recording` is set."""
+
+        def __init__(self, obj):
+            self._obj, self.calls, self.recording = obj, [], False
+
+        def __getattr__(self, name):
+            v = getattr(self._obj, name)
+            if callable(v) and self.recording:
+                self.calls.append(name)
+            return v
+
+    layout = KVLayout(tuple(layer_groups(2)), 2, 8, 4, 4)
+    cfg = cbnb.ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=8).resolve("cpu")
+    cache = CacheManager(layout, 16, allow_block_sharing=True)
+    rec = Recorder()
+    cache.sink = rec.sink
+    core = EngineCore(cfg, cache, on_terminal=rec.request_done)
+    watched_core, watched_cache = Watched(core), Watched(cache)
+    rec.attach(watched_core, watched_cache)
+    core.observer = rec  # `attach` subscribed the wrapper; the core itself must tell the recorder
+    watched_core.recording = watched_cache.recording = True
+    core.add(Request("a", list(range(3, 13)), SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    core.add(Request("huge", list(range(3, 200)), SamplingParams(max_new_tokens=2)))  # never fits: FAILED at once
+    for _ in range(6):
+        work = core.schedule()
+        core.apply(work, {s.request_id: 5 for s in work.plan.scheduled if s.samples})
+        rec.flush()
+    assert watched_core.calls == [] and watched_cache.calls == []
+    kinds = [e.kind for e in rec.events.events()]
+    assert kinds[:5] == ["request_added", "request_added", "state_change", "request_done", "step_planned"], kinds
+    assert kinds[5] == "blocks_allocated"  # the cache's event of step 1 comes after its plan
+    planned = rec.events.events("step_planned")
+    assert [p.step for p in planned] == list(range(1, len(planned) + 1))
+    done = {e.request_id: e.state for e in rec.events.events("request_done")}
+    assert done == {"huge": "FAILED", "a": "FINISHED"}

@@ -100,7 +100,7 @@ def test_stream_items_mark_terminal_states_and_use_final_text():
     items = stream_items(reqs, tt)
     assert [i["id"] for i in items] == ["r0", "r2", "r1"]
     assert items[0] == {"id": "r0", "state": "DECODING", "text": "AB", "n": 2, "max": 4, "error": "", "reason": "",
-                        "prompt": "What is the capital of France?", "lp": []}  # the words typed, whitespace collapsed
+                        "prompt": "What is the capital of France?", "lp": [], "plp": []}  # the words typed, whitespace collapsed
     assert items[2]["prompt"] == "\x00\x01\x02\x03\x04"  # ids given: decoded by the tokenizer
     assert items[2]["text"] == "final text" and items[1]["error"] == "cancelled"
 
@@ -118,6 +118,23 @@ def test_stream_items_carry_the_newest_tokens_logprobs():
     assert lp[0] == {"t": "D", "i": 3, "lp": -1.5, "top": [["B", -0.1]]}
     rows, _, _ = request_rows([out("r0", RequestState.DECODING, 1, processors=("greedy", "logprobs=1"))])
     assert rows[0][BOARD_COLUMNS.index("sampling")] == "greedy · logprobs=1"
+
+
+def test_stream_items_carry_the_prompts_last_logprobs_at_their_positions():
+    from cbnb.requests import TokenLogprob
+    from cbnb.ui.state import LOGPROB_TOKENS, prompt_logprob_tokens
+
+    n = LOGPROB_TOKENS + 5  # prompt positions 1..n have logprobs; position 0 has none
+    lps = [TokenLogprob(65 + i % 26, -0.25 * i, ((66, -0.1),)) for i in range(1, n + 1)]
+    o = out("r0", RequestState.FINISHED, 1, prompt_logprobs=[None, *lps])  # as `RequestOutput` gives them
+    plp = stream_items([o], TextTracker(CharTokenizer()))[0]["plp"]
+    assert len(plp) == LOGPROB_TOKENS and [plp[0]["i"], plp[-1]["i"]] == [n + 1 - LOGPROB_TOKENS, n]
+    assert plp[-1] == {"t": chr(65 + n % 26), "i": n, "lp": -0.25 * n, "top": [["B", -0.1]]}
+
+    class Live:  # the engine's own Request keeps no entry for position 0
+        prompt_logprobs = lps
+    assert prompt_logprob_tokens(Live(), TextTracker(CharTokenizer())) == plp
+    assert stream_items([out("r1", RequestState.FINISHED, 1)], TextTracker(CharTokenizer()))[0]["plp"] == []
 
 
 # ---------------------------------------------------------------------------------------------- plot series

@@ -1,12 +1,14 @@
 // Token stream panel: one card per request (its prompt's first words in the head) whose text grows as tokens
 // arrive; cancel buttons for live ones; a click on a card selects the request ("Why?"). Requests that asked for
-// logprobs also show their newest tokens as chips: hovering one shows its logprob and the most likely alternatives.
+// logprobs also show their newest tokens as chips: hovering one shows its logprob and the most likely alternatives;
+// requests that asked for prompt logprobs show the prompt's last tokens the same way, in a strip of their own.
 
 const cbnbShowToken = (t) => JSON.stringify(t).slice(1, -1);
 
-function cbnbLogprobTip(tok) {
+function cbnbLogprobTip(tok, prompt) {
   const p = (lp) => `${lp.toFixed(3)} (p=${Math.exp(lp).toPrecision(3)})`;
-  const lines = [`token ${tok.i}: "${cbnbShowToken(tok.t)}"  logprob ${p(tok.lp)}`];
+  const what = prompt ? "prompt token" : "token";
+  const lines = [`${what} ${tok.i}: "${cbnbShowToken(tok.t)}"  logprob ${p(tok.lp)}`];
   if (tok.top && tok.top.length) {
     lines.push("alternatives:");
     for (const [t, lp] of tok.top) lines.push(`  "${cbnbShowToken(t)}"  ${p(lp)}`);
@@ -28,12 +30,13 @@ function render({ model, el }) {
   tip.style.display = "none";
   f.body.append(tip);
   f.root.style.position = "relative";
-  const showTip = (chip, tok) => {
-    tip.textContent = cbnbLogprobTip(tok);
+  const showTip = (chip, tok, prompt) => {
+    tip.textContent = cbnbLogprobTip(tok, prompt);
     const r = chip.getBoundingClientRect(), base = f.root.getBoundingClientRect();
-    tip.style.left = `${r.left - base.left}px`;
     tip.style.top = `${r.bottom - base.top + 4}px`;
     tip.style.display = "";
+    // kept inside the panel: a chip near the right edge opens its tip leftwards
+    tip.style.left = `${Math.max(0, Math.min(r.left - base.left, base.width - tip.offsetWidth - 4))}px`;
   };
 
   const makeCard = (id) => {
@@ -49,30 +52,34 @@ function render({ model, el }) {
     cancel.addEventListener("click", (e) => { e.stopPropagation(); model.send({ kind: "cancel", id }); });
     head.append(name, badge, prompt, count, cancel);
     const text = cbnbEl("div", "cbnb-stream-text");
+    const pstrip = cbnbEl("div", "cbnb-lp-strip cbnb-lp-prompt");
+    pstrip.style.display = "none";
     const strip = cbnbEl("div", "cbnb-lp-strip");
     strip.title = "";
     const error = cbnbEl("div", "cbnb-stream-error");
-    card.append(head, text, strip, error);
+    card.append(head, pstrip, text, strip, error);
     card.title = "Click for this request's story (Why?)";
     card.addEventListener("click", () => model.send({ kind: "select", id }));
     card.addEventListener("mouseenter", () => model.send({ kind: "hover_request", id }));
     card.addEventListener("mouseleave", () => model.send({ kind: "hover_request", id: null }));
-    return { card, badge, count, text, error, cancel, prompt, strip, last: {} };
+    return { card, badge, count, text, error, cancel, prompt, strip, pstrip, last: {} };
   };
 
-  const drawStrip = (c, lp) => {
-    c.strip.style.display = lp.length ? "" : "none";
+  const drawStrip = (strip, lp, prompt) => {
+    strip.style.display = lp.length ? "" : "none";
     const chips = lp.map((tok) => {
       const chip = cbnbEl("span", "cbnb-lp-tok", cbnbShowToken(tok.t) || "\u00a0");
       chip.dataset.i = tok.i;
       // darker = more likely (p = exp(logprob))
       chip.style.setProperty("--cbnb-lp-alpha", Math.exp(tok.lp).toFixed(3));
-      chip.addEventListener("mouseenter", () => showTip(chip, tok));
+      chip.addEventListener("mouseenter", () => showTip(chip, tok, prompt));
       chip.addEventListener("mouseleave", () => { tip.style.display = "none"; });
       return chip;
     });
-    c.strip.replaceChildren(...chips);
+    if (prompt && lp.length) chips.unshift(cbnbEl("span", "cbnb-lp-label", "prompt"));
+    strip.replaceChildren(...chips);
   };
+  const changed = (a, b) => a.length !== b.length || (a.length > 0 && a[a.length - 1].i !== b[b.length - 1].i);
 
   const draw = () => {
     const items = model.get("items") || [];
@@ -93,11 +100,9 @@ function render({ model, el }) {
       const count = it.max ? `${it.n}/${it.max} tokens` : `${it.n} tokens`;
       if (c.count.textContent !== count) c.count.textContent = count;
       if (c.last.text !== it.text) c.text.textContent = it.text;
-      const lp = it.lp || [];
-      const lastLp = c.last.lp || [];
-      if (lp.length !== lastLp.length || (lp.length && lp[lp.length - 1].i !== lastLp[lastLp.length - 1].i)) {
-        drawStrip(c, lp);
-      }
+      const lp = it.lp || [], plp = it.plp || [];
+      if (changed(lp, c.last.lp || [])) drawStrip(c.strip, lp, false);
+      if (changed(plp, c.last.plp || [])) drawStrip(c.pstrip, plp, true);
       const err = it.error ? `${it.state === "CANCELLED" ? "cancelled" : "error"}: ${it.error}` : "";
       if (c.error.textContent !== err) c.error.textContent = err;
       c.error.style.display = err ? "" : "none";

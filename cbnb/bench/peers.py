@@ -295,12 +295,16 @@ def _with_env(name: str, value: str, fn: Callable[[], PeerResult]) -> PeerResult
 
 #: The ``sampled=on`` variant's request arguments: sampling with processors, to measure their cost per step.
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=0)
+#: The ``json_schema=on`` variant's schema: every request's output is constrained (structured output's mask cost).
+JSON_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
 
 
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     """A cbnb run with one named option: "telemetry=off|on", "dashboard=off|on", "use_cuda_graph=...",
     "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on", "sampled=off|on" (every
-    request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run)."""
+    request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run),
+    "json_schema=off|on" (every request constrained by `JSON_SCHEMA`; ``extra["grammar"]``: the mask's host time,
+    `cbnb.runner.grammar.Stats`, and ``mask_ms_per_step``, what the steps waited for masks)."""
     key, _, val = variant.partition("=")
     on = val.lower() in ("1", "on", "true", "yes")
     kwargs: dict[str, Any] = {}
@@ -308,6 +312,10 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     hook = None
     if key == "sampled":
         submit = dict(SAMPLED) if on else {}
+    elif key == "json_schema":  # grammar masks (cbnb.runner.grammar): their host time lands in extra["grammar"]
+        submit = {"json_schema": JSON_SCHEMA} if on else {}
+        seen: list = []
+        hook = seen.append
     elif key == "telemetry":
         kwargs["telemetry"] = on
     elif key == "dashboard":
@@ -330,4 +338,8 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     r = run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]", engine_kwargs=kwargs, on_engine=hook,
                  submit_kwargs=submit)
     r.extra["variant"] = variant
+    if key == "json_schema" and on:
+        stats = seen[0].runner.sampler.constraints.stats.as_dict()
+        stats["mask_ms_per_step"] = 1e3 * (stats["compute_s"] + stats["wait_s"]) / max(stats["steps"], 1)
+        r.extra["grammar"] = stats
     return r

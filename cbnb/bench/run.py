@@ -90,7 +90,7 @@ def _result_dict(r: PeerResult, base: PeerResult | None) -> dict[str, Any]:
         "greedy_agreement_vs_first": agreement(base, r) if base is not None else None,
         "tokens": r.tokens,
     }
-    d.update({k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant", "lone_ttft_s", "compile")})
+    d.update({k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant", "lone_ttft_s", "compile", "grammar")})
     return d
 
 

@@ -12,11 +12,12 @@ Prefix sharing is enabled only when `allow_block_sharing` is set and every layer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
+from ..plan import KVGroup, RowKV, StepKV
 from ..requests import Request
 from .allocators import BlockAllocator, FullAttentionCacheAllocator, ceil_div, make_allocator
-from .layout import FULL, KVLayout
+from .layout import FULL, SLIDING, KVLayout
 from .pool import CachePool, UNASSIGNED
 from .prefix import PrefixIndex, block_hash
 from .swap import HostSwapPool
@@ -100,6 +101,7 @@ class CacheManager:
         self.page_size = layout.page_size
         self.pool = CachePool(num_sectors, num_reserved=2)
         self.allocators: list[BlockAllocator] = [make_allocator(g, layout, self.pool) for g in layout.groups]
+        self._kv_groups: list[KVGroup] | None = None
         self.sharing = bool(allow_block_sharing and layout.supports_sharing)
         self.full: FullAttentionCacheAllocator | None = None
         for a in self.allocators:
@@ -292,7 +294,8 @@ class CacheManager:
             if sectors <= self.pool.num_free:
                 new, dem = a.grow(rid, n, sectors)
                 if self.sink is not None:
-                    self.sink("blocks_allocated", request_id=rid, new_blocks=[new], demoted=[dem], shared=[])
+                    self.sink("blocks_allocated", request_id=rid, new_blocks=[new], demoted=[dem], shared=[],
+                              refcounts=[])
                 return Allocation([new], [dem], None, None)
         needed, smin, smax, available = self._plan(req, total_tokens, match)
         free_sectors = self.pool.num_free
@@ -322,8 +325,9 @@ class CacheManager:
                 restored.append(list(zip(host_tables[g], dev[: len(host_tables[g])])))
             self._host_release.append(rid)  # released by `flush_host_releases`, after this step's copies
         if self.sink is not None:
-            self.sink("blocks_allocated", request_id=rid, new_blocks=new_blocks, demoted=demoted,
-                      shared=list(match.blocks) if match is not None else [])
+            shared = list(match.blocks) if match is not None else []
+            self.sink("blocks_allocated", request_id=rid, new_blocks=new_blocks, demoted=demoted, shared=shared,
+                      refcounts=[self.full.refcount[b] for b in shared] if shared else [])
         return Allocation(new_blocks, demoted, match, restored)
 
     # ------------------------------------------------------------------------------------------ release
@@ -366,10 +370,6 @@ class CacheManager:
         self._hashed.pop(req.request_id, None)
 
     # ------------------------------------------------------------------------------------------ offload
-    def device_blocks(self, req: Request) -> int:
-        """Blocks the request holds on the device (all groups)."""
-        return sum(len(a.table(req.request_id)) for a in self.allocators)
-
     def exclusive_blocks(self, req: Request) -> list[int]:
         """Per group, the blocks that would become free or cached if the request released its tables."""
         rid = req.request_id
@@ -412,6 +412,35 @@ class CacheManager:
     def write_slots(self, req: Request, start: int, end: int) -> list[list[int]]:
         """Per group, the slots receiving the K/V of positions [start, end) (-1: the write-padding block)."""
         return [a.write_slots(req.request_id, start, end) for a in self.allocators]
+
+    def kv_groups(self) -> list[KVGroup]:
+        """Every layer group's fixed KV geometry (`cbnb.plan.KVGroup`: window, padding blocks), plain data."""
+        if self._kv_groups is None:
+            self._kv_groups = [KVGroup(int(getattr(a, "window", 0) or 0), a.read_padding_block, a.write_padding_block)
+                               for a in self.allocators]
+        return self._kv_groups
+
+    def step_kv(self, scheduled: list[Any]) -> StepKV:
+        """What the runner needs to know about the KV of a planned step's rows (`cbnb.plan.StepKV`), so that it
+        never reads this manager: per row and group, the block table, the write slots of a chunk (a one-token row's
+        slot follows from its table: `cbnb.plan.decode_slot`), and a sliding chunk's earlier window slots."""
+        kv = StepKV(self.page_size, self.kv_groups())
+        allocs = self.allocators
+        rows = kv.rows
+        for s in scheduled:
+            rid = s.request.request_id
+            tables = [a.tables[rid] for a in allocs]
+            if s.num_tokens == 1:
+                rows[rid] = RowKV(tables)
+                continue
+            start, end = s.start, s.start + s.num_tokens
+            slots = [a.write_slots(rid, start, end) for a in allocs]
+            ring = None
+            if start > 0 and any(a.attention_type == SLIDING for a in allocs):
+                ring = [[a.slot(rid, p) for p in range(*a.read_positions(start))] if a.attention_type == SLIDING
+                        else None for a in allocs]
+            rows[rid] = RowKV(tables, slots, ring)
+        return kv
 
     # ------------------------------------------------------------------------------------------ checks
     def check_invariants(self, requests: list[Request] | None = None) -> None:

@@ -59,9 +59,6 @@ class PrefixIndex:
     def is_hashed(self, block: int) -> bool:
         return block in self.hash_of
 
-    def is_cached(self, block: int) -> bool:
-        return block in self.cached
-
     def park(self, blocks_in_release_order: Sequence[int]) -> None:
         """Queue newly unreferenced hashed blocks, given in the order the request's table lists them."""
         if self.policy == "lru":

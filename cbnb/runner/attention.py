@@ -20,15 +20,23 @@ engine has the model), the call falls back to transformers' sdpa.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
-from .compiled import paged_attention_op
 
-__all__ = ["ATTN_NAME", "register", "paged_attention_forward"]
+__all__ = ["ATTN_NAME", "register", "paged_attention_forward", "paged_attention_op", "current_batch"]
+
+#: The `StepBatch` of the compiled forward running on this thread (``.batch``; published by `cbnb.runner.compiled`).
+step_local = threading.local()
+
+
+def current_batch() -> Any:
+    """The `StepBatch` of the compiled forward running on this thread (None outside one)."""
+    return getattr(step_local, "batch", None)
 
 ATTN_NAME = "cbnb_paged"
 _registered = False
@@ -147,3 +155,31 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True
+
+
+# ------------------------------------------------------------------------------------------------ the opaque op
+@torch.library.custom_op("cbnb::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                       scaling: float) -> torch.Tensor:
+    """cbnb's paged attention for layer `layer` of the current step (`current_batch()`); ``[1, T, H, D]``.
+
+    Writes the step's K/V into the cache pool (a side effect the compiler does not see: each layer's call depends
+    on the previous layer's output, so the order holds).
+    """
+    batch = current_batch()
+    if batch is None:
+        raise RuntimeError("cbnb::paged_attention called outside a compiled cbnb step")
+    out, _ = paged_attention_forward(_Layer(layer), query, key, value, None, scaling=scaling, cbnb_batch=batch)
+    return out.contiguous()
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+class _Layer:
+    __slots__ = ("layer_idx",)
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx

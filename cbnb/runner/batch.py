@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.manager import CacheManager
-from ..plan import ScheduledRequest
+from ..plan import ScheduledRequest, StepKV, decode_slot
 from . import cpu_kernels
 
 __all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]
@@ -93,17 +92,18 @@ def _window_mask(n_q: int, n_old: int, window: int | None, device: torch.device)
     return m
 
 
-def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store: Any,
-                     device: torch.device) -> StepBatch:
-    """Pack the scheduled requests of a step into a `StepBatch` on `device`."""
-    P = cache.page_size
+def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, device: torch.device) -> StepBatch:
+    """Pack the scheduled requests of a step into a `StepBatch` on `device`, from the step's own KV data (`kv`, the
+    plan's `StepWork.kv`: block tables and slots; the cache manager is never read)."""
+    P = kv.page_size
     kernel = device.type == "cpu" and getattr(store, "dtype", None) == torch.float32 and cpu_kernels.available()
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
     logits_idx: list[int] = []
     samplers: list[ScheduledRequest] = []
-    n_groups = len(cache.allocators)
+    kv_groups = kv.groups
+    n_groups = len(kv_groups)
     w_blk: list[list[int]] = [[] for _ in range(n_groups)]
     w_off: list[list[int]] = [[] for _ in range(n_groups)]
     dec: list[list[tuple[int, list[int], int]]] = [[] for _ in range(n_groups)]
@@ -118,18 +118,20 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
         if s.samples:
             logits_idx.append(b - 1)
             samplers.append(s)
-        for g, alloc in enumerate(cache.allocators):
-            wpad = alloc.write_padding_block
-            for slot in alloc.write_slots(req.request_id, s.start, s.end):
+        row = kv.rows[req.request_id]
+        n = s.num_tokens
+        for g, grp in enumerate(kv_groups):
+            wpad = grp.write_padding_block
+            table = row.tables[g]
+            window = grp.window or None
+            wslots = row.write_slots[g] if row.write_slots is not None else [decode_slot(table, s.start, grp.window, P)]
+            for slot in wslots:
                 if slot < 0:
                     w_blk[g].append(wpad)
                     w_off[g].append(0)
                 else:
                     w_blk[g].append(slot // P)
                     w_off[g].append(slot % P)
-            table = alloc.tables[req.request_id]
-            window = getattr(alloc, "window", None)
-            n = s.num_tokens
             if n == 1 and s.start > 0:
                 if window is None:
                     valid = s.start + 1
@@ -149,16 +151,16 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
                 mask = _window_mask(n, s.start, None, device)
                 pre[g].append(PrefillRow(a, b, s.start, "paged", pages=pages, length=length, mask=mask))
             else:
-                lo = max(0, s.start - (window - 1))
-                slots = [alloc.slot(req.request_id, p) for p in range(lo, s.start)]
+                slots = row.window_slots[g]
+                lo = s.start - len(slots)
                 ob = torch.tensor([x // P for x in slots], dtype=torch.long, device=device)
                 oo = torch.tensor([x % P for x in slots], dtype=torch.long, device=device)
                 mask = _window_mask(n, s.start - lo, window, device)
                 pre[g].append(PrefillRow(a, b, s.start, "ring", old_blocks=ob, old_offsets=oo, mask=mask))
     groups = []
-    for g, alloc in enumerate(cache.allocators):
+    for g, grp in enumerate(kv_groups):
         gb = GroupBatch(
-            window=getattr(alloc, "window", None),
+            window=grp.window or None,
             write_blocks=torch.tensor(w_blk[g], dtype=torch.long, device=device),
             write_offsets=torch.tensor(w_off[g], dtype=torch.long, device=device),
             prefill=pre[g],
@@ -170,7 +172,7 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
         if dec[g] and kernel:
             d = dec[g]
             width = max(len(pg) for _, pg, _ in d)
-            pages = np.full((len(d), width), alloc.read_padding_block, dtype=np.int64)
+            pages = np.full((len(d), width), grp.read_padding_block, dtype=np.int64)
             for r, (_, pg, _v) in enumerate(d):
                 pages[r, :len(pg)] = pg
             lens = np.fromiter((v for _, _, v in d), dtype=np.int64, count=len(d))
@@ -189,7 +191,7 @@ def build_step_batch(entries: list[ScheduledRequest], cache: CacheManager, store
                 valid = np.fromiter((d[2] for d in multi), dtype=np.int64, count=len(rows))
                 keys = int(valid.max())
                 width = -(-keys // P)  # pages that hold the longest row's keys
-                pages = np.full((len(rows), width), alloc.read_padding_block, dtype=np.int64)
+                pages = np.full((len(rows), width), grp.read_padding_block, dtype=np.int64)
                 for r, (_, pg, _v) in enumerate(multi):
                     m = min(len(pg), width)
                     pages[r, :m] = pg[:m]

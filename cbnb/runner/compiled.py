@@ -7,8 +7,9 @@ dynamic), 2 ("max-autotune-no-cudagraphs", dynamic) or 3 (the same, static shape
 say False); cbnb's attention never breaks the graph. Pure-decode steps (every row one token) run the decode config,
 the others the varlen config; equal configs share one compiled forward.
 
-How: the paged attention is a custom op (``cbnb::paged_attention``) that the compiler treats as opaque; its eager
-body is `paged_attention_forward` with the step's `StepBatch`, which the runner publishes in a thread-local for the
+How: the paged attention is a custom op (``cbnb::paged_attention``, defined in `cbnb.runner.attention`, so this
+module imports attention and never the other way round) that the compiler treats as opaque; its eager body is
+`paged_attention_forward` with the step's `StepBatch`, which the runner publishes in a thread-local for the
 duration of the forward (a `StepBatch` argument would make the compiler guard on its Python structure and
 recompile every step). Everything else (norms, rotary, MLP, residuals, LM head) is traced and fused.
 
@@ -29,16 +30,14 @@ from typing import Any
 
 import torch
 
+from .attention import current_batch, step_local as attention_local  # noqa: F401 (current_batch re-exported)
+
 __all__ = ["resolve_compile_configs", "compile_kwargs", "CompiledForward", "compiled_forward", "current_batch"]
 
 _LEVEL_MODES = {1: ("default", True), 2: ("max-autotune-no-cudagraphs", True), 3: ("max-autotune-no-cudagraphs", False)}
 _KWARGS = ("fullgraph", "dynamic", "backend", "mode", "options")
-_local = threading.local()
-
-
-def current_batch() -> Any:
-    """The `StepBatch` of the compiled forward running on this thread (None outside one)."""
-    return getattr(_local, "batch", None)
+# The step's batch for the opaque op lives with the op (`cbnb.runner.attention`): this module publishes it there.
+_local = attention_local
 
 
 def _as_dict(cfg: Any) -> dict[str, Any]:
@@ -156,33 +155,3 @@ def compiled_forward(model: torch.nn.Module, cfg: dict[str, Any], mask: torch.Te
         if fwd is None:
             fwd = per_model[key] = CompiledForward(model, kw, mask)
     return fwd
-
-
-# ------------------------------------------------------------------------------------------------ the opaque op
-@torch.library.custom_op("cbnb::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                       scaling: float) -> torch.Tensor:
-    """cbnb's paged attention for layer `layer` of the current step (`current_batch()`); ``[1, T, H, D]``.
-
-    Writes the step's K/V into the cache pool (a side effect the compiler does not see: each layer's call depends
-    on the previous layer's output, so the order holds).
-    """
-    from .attention import paged_attention_forward
-
-    batch = current_batch()
-    if batch is None:
-        raise RuntimeError("cbnb::paged_attention called outside a compiled cbnb step")
-    out, _ = paged_attention_forward(_Layer(layer), query, key, value, None, scaling=scaling, cbnb_batch=batch)
-    return out.contiguous()
-
-
-@paged_attention_op.register_fake
-def _(query, key, value, layer, scaling):
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-
-
-class _Layer:
-    __slots__ = ("layer_idx",)
-
-    def __init__(self, layer_idx: int) -> None:
-        self.layer_idx = layer_idx

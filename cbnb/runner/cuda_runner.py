@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..cache.manager import CacheManager
-from ..plan import StepResult, StepWork
+from ..plan import StepKV, StepResult, StepWork
 from .attention import paged_attention_forward, register as register_cpu_attention
 from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
@@ -192,8 +192,11 @@ class CudaModelRunner(ModelRunner):
         self.num_sms = int(num_sms)
         lay = store.layout
         self.page_size = lay.page_size
-        self.windows = [int(getattr(a, "window", 0) or 0) for a in cache.allocators]
-        self.trash = [int(a.write_padding_block) * lay.page_size for a in cache.allocators]
+        # The fixed geometry, read once (plain data); every step's tables and slots come with its `StepWork.kv`.
+        kv_groups = cache.kv_groups()
+        self.windows = [g.window for g in kv_groups]
+        self.trash = [int(g.write_padding_block) * lay.page_size for g in kv_groups]
+        self.capacity_tokens = cache.capacity_tokens
         self.kcfg = kernel_config(lay.head_dim)
         self.bytes_per_token_layer = lay.bytes_per_token_per_layer
         self.layers_per_group = [len(g.layers) for g in lay.groups]
@@ -256,7 +259,7 @@ class CudaModelRunner(ModelRunner):
             self.model.config, "get_text_config") else getattr(self.model.config, "max_position_embeddings", None)
         caps = []
         if any(w == 0 for w in self.windows):
-            caps.append(self.cache.capacity_tokens)
+            caps.append(self.capacity_tokens)
         if max_pos:
             caps.append(int(max_pos))
         kv_cap = min(caps) if caps else 1 << 30
@@ -360,8 +363,10 @@ class CudaModelRunner(ModelRunner):
         return lay
 
     # ---------------------------------------------------------------------------------------------- prepare
-    def _prepare(self, pair: IOPair, entries: list[Any]) -> tuple[StepShape, MetaLayout, dict[str, int], int]:
-        """Pack the step into ``pair.host`` (numpy). Returns (shape, layout, request -> sample row, KV bytes read)."""
+    def _prepare(self, pair: IOPair, entries: list[Any], kv: StepKV) -> tuple[StepShape, MetaLayout, dict[str, int],
+                                                                           int]:
+        """Pack the step into ``pair.host`` (numpy) from the plan's own KV data (`kv`: block tables and slots; the
+        cache manager is never read). Returns (shape, layout, request -> sample row, KV bytes read)."""
         P = self.page_size
         bm = self.kcfg.prefill_m
         n_seqs = len(entries)
@@ -398,8 +403,8 @@ class CudaModelRunner(ModelRunner):
         rows: dict[str, int] = {}
         carry_at: list[int] = []
         carry_row: list[int] = []
-        allocs = self.cache.allocators
-        ng = len(allocs)
+        kv_rows = kv.rows
+        ng = len(kv.groups)
         slots: list[list[int]] = [[] for _ in range(ng)]
         tables = [lay.view(buf, f"table{g}") for g in range(ng)]
         widths = shape.widths
@@ -413,6 +418,7 @@ class CudaModelRunner(ModelRunner):
             rid = req.request_id
             n = s.num_tokens
             st = s.start
+            row_tables = kv_rows[rid].tables
             if n == 1:  # decode fast path (same values as `Request.token_ids` / `write_slots`, inlined)
                 npr = len(req.prompt_ids)
                 if st < npr:
@@ -433,7 +439,7 @@ class CudaModelRunner(ModelRunner):
                 pos.append(st)
                 dec.append(i)
                 for g in range(ng):
-                    t = allocs[g].tables[rid]
+                    t = row_tables[g]
                     win = windows[g]
                     r = st % win if win else st
                     slots[g].append(t[r // P] * P + r % P)
@@ -456,10 +462,10 @@ class CudaModelRunner(ModelRunner):
                 for m0 in range(0, n, bm):
                     tseq.append(i)
                     tm0.append(m0)
+                row_slots = kv_rows[rid].write_slots
                 for g in range(ng):
-                    alloc = allocs[g]
-                    slots[g].extend(alloc.write_slots(rid, st, st + n))
-                    t = alloc.tables[rid]
+                    slots[g].extend(row_slots[g])
+                    t = row_tables[g]
                     w = widths[g]
                     tables[g][i, :len(t)] = t if len(t) <= w else t[:w]
                     if profile:
@@ -559,7 +565,7 @@ class CudaModelRunner(ModelRunner):
         if self.async_mode:
             self._turn = 1 - self._turn
         entries = work.plan.scheduled
-        shape, lay, rows, kv_bytes = self._prepare(pair, entries)
+        shape, lay, rows, kv_bytes = self._prepare(pair, entries, work.kv)
         t2 = time.perf_counter()
         samplers = [s for s in entries if s.samples]
         key = (pair.index,) + shape.key if shape.padded else None

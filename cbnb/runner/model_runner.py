@@ -38,7 +38,8 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM (eval mode).
-        cache: the `CacheManager` (block tables, slots).
+        cache: the `CacheManager`: not read (every step's block tables and slots come with its `StepWork.kv`); kept
+            so that every runner has `make_runner`'s signature.
         store: the `KVStore` (tensors).
         seed: engine-wide sampling seed (`ContinuousBatchingConfig.seed`).
 
@@ -56,7 +57,6 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
         register()
         self.model = model
-        self.cache = cache
         self.store = store
         self.device = store.device
         self.sampler = Sampler(self.device, seed)
@@ -136,7 +136,7 @@ class ModelRunner:
         timings = {"offload_copy": t1 - t0}
         if work.plan.empty:
             return StepResult({}, timings, copied)
-        batch = build_step_batch(work.plan.scheduled, self.cache, self.store, self.device)
+        batch = build_step_batch(work.plan.scheduled, work.kv, self.store, self.device)
         t2 = time.perf_counter()
         extra, targets = _prompt_logprob_rows(work.plan.scheduled, batch)
         rows = batch.logits_indices

@@ -293,13 +293,11 @@ def _sequences(x: torch.Tensor, seqs: list[_Seq], history: History, batch: Proce
 def apply(x: torch.Tensor, batch: ProcessorBatch, history: History) -> torch.Tensor:
     """Run the step's processors over ``x [n, V]`` (fp32, modified in place) in the order of
     `cbnb.sampling_params`; returns x."""
-    V = x.shape[-1]
     if batch.add is not None:
         rows, toks, bias = batch.add
         x.index_put_((rows, toks), bias, accumulate=True)
     x = _sequences(x, batch.seq_bias, history, batch)
     if batch.hist_rows is not None:
-        m = batch.hist_rows.shape[0]
         width = max(batch.max_len, 1)
         h = history.buf.index_select(0, batch.slots)[:, :width]  # [m, L]
         pos = torch.arange(width, device=x.device).unsqueeze(0)

@@ -1,10 +1,12 @@
-"""Token sampling for the rows of a step: one batched pass over all rows, without host synchronisation.
+"""Token sampling for the rows of a step: one batched pass over all rows, without host synchronisation (except for
+rows with a grammar: their drawn ids are read on the host, where their matchers live).
 
 Pipeline, in transformers' order, on the rows that need it (`SamplingParams.plain` is False: they sample, have logits
-processors, or want logprobs), in fp32:
+processors or a grammar, or want logprobs), in fp32:
 
-1. logits processors (`cbnb.runner.processors`: the request's own, over its full history; then `Sampler.processors`,
-   extra ``(x [n, V] fp32, rows) -> x`` hooks, none by default);
+1. logits processors (`cbnb.runner.processors`: the request's own, over its full history; then the grammar mask of
+   the rows with structured output, `cbnb.runner.grammar`, whose matchers advance with each drawn token; then
+   `Sampler.processors`, extra ``(x [n, V] fp32, rows) -> x`` hooks, none by default);
 2. warpers (`WARPERS`), on the rows that sample: temperature, then top-k (keep the k largest), then top-p (keep the
    smallest set of most likely tokens whose mass reaches `top_p`, at least one), then min-p (keep tokens whose
    probability is at least `min_p` times the largest, i.e. ``x >= max(x) + log(min_p)``); per-row parameters are
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 from ..requests import TokenLogprob
+from . import grammar as grammar_masks
 from . import processors as procs
 from .noise import _M31, _argmax, _noise_into, _scratch, gumbel_noise, row_key
 
@@ -77,6 +80,7 @@ class SamplingRows:
             stores `nucleus` = (``e [l, V]`` fp32, ``exp(x - max)`` of their top-k-filtered logits; ``P [l, 1]``,
             ``top_p * e.sum()``).
         workspace: the sampler's reusable buffers while `Sampler.draw` runs (None otherwise).
+        grammar: the rows with a grammar and their token bitmasks (`cbnb.runner.grammar.GrammarRows`), or None.
     """
 
     index: torch.Tensor
@@ -105,6 +109,7 @@ class SamplingRows:
     defer_top_p: bool = False
     nucleus: tuple[torch.Tensor, torch.Tensor] | None = None
     workspace: dict | None = None
+    grammar: grammar_masks.GrammarRows | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -207,6 +212,7 @@ class Sampler:
         self.engine_seed = int(seed) if seed is not None else random.SystemRandom().getrandbits(62)
         self.processors: list[Callable[[torch.Tensor, SamplingRows], torch.Tensor]] = []
         self.history = procs.History(self.device, self._to_device)
+        self.constraints = grammar_masks.Constraints(self._to_device)  # structured output's matchers
         self._ws: dict[str, torch.Tensor] = {}  # buffers reused by every draw (noise, exp, masked sums)
         self._ordinals: dict[str, int] = {}  # unseeded request -> ordinal of its first draw
         self._next_ordinal = 0
@@ -215,6 +221,7 @@ class Sampler:
         """Drop what is kept for a finished request (an unseeded request's ordinal, its token history)."""
         self._ordinals.pop(request_id, None)
         self.history.forget(request_id)
+        self.constraints.forget(request_id)
 
     def adopt(self, other: "Sampler") -> None:
         """Continue `other`'s unseeded streams (an engine rebuilt by `reconfigure`): its ordinals, and its engine seed
@@ -248,6 +255,7 @@ class Sampler:
         params = []
         infos: list[procs.RowInfo] = []
         want_lp: list[int] = []
+        constrained: list[tuple[int, Any, int]] = []
         for i, s in enumerate(entries):
             req = s.request
             p = req.sampling
@@ -273,6 +281,8 @@ class Sampler:
                 infos.append(procs.RowInfo(n, p, req, length))
             if p.logprobs is not None:
                 want_lp.append(n)
+            if p.grammar is not None:
+                constrained.append((n, req, length - len(req.prompt_ids)))
         if not params:
             return None
         iv = self._to_device(np.asarray(ints, dtype=np.int64).T.copy())
@@ -299,7 +309,8 @@ class Sampler:
                                              self._to_device(np.asarray(srows, dtype=np.int64))),
             lazy_rows=lazy_rows or None,
             lazy=self._to_device(np.asarray(lazy_rows, dtype=np.int64)) if lazy_rows else None,
-            eager_top_p=self._to_device(np.asarray(eager, dtype=np.int64)) if eager else None)
+            eager_top_p=self._to_device(np.asarray(eager, dtype=np.int64)) if eager else None,
+            grammar=self.constraints.masks(constrained) if constrained else None)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -317,6 +328,8 @@ class Sampler:
         x = logits.index_select(0, rows.index).float()  # a copy: the processors and warpers work in place
         if rows.processors is not None:
             x = procs.apply(x, rows.processors, self.history)
+        if rows.grammar is not None:
+            x = grammar_masks.apply(x, rows.grammar)
         for fn in self.processors:
             x = fn(x, rows)
         if rows.any_sample:
@@ -413,6 +426,8 @@ class Sampler:
         if rows is None:
             return out, StepReport(bad.to(torch.float64).unsqueeze(1))
         tok, x = self.draw(logits, rows)
+        if rows.grammar is not None:
+            self.constraints.advance(rows.grammar, tok)
         out.index_copy_(0, rows.index, tok)
         bad = bad.index_copy(0, rows.index, ~torch.isfinite(x.amax(-1)))
         K = rows.max_logprobs

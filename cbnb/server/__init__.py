@@ -9,7 +9,7 @@ pydantic, prometheus_client).
     client.completions.create(model=server.model_name, prompt="Hello", max_tokens=16)
 
 Modules: `settings` (where and what limits), `protocol` (request schemas, validation, OpenAI error JSON), `app`
-(routes), `sse` (streaming and disconnects), `stops` (stop strings, until the engine has them), `metrics`
+(routes), `sse` (streaming and disconnects), `stops` (stop strings, for an engine without them), `metrics`
 (Prometheus), `counters` (live figures), `lifecycle` (the uvicorn thread, start/stop, replacing a server on a port).
 `engine.serve(...)` calls `serve(engine, ...)` here. Importing this package needs none of the web stack; `serve()`
 says what to install when it is missing.

@@ -42,6 +42,8 @@ from .protocol import ApiError, GenerationRequest
 from .settings import ServerSettings
 from .generation import Generation, PrimedHandle, Slot, TokenText
 from .sse import ClientGone, EventStream, until_disconnect
+from .tools import render as render_tools
+from ..structured import warm
 
 __all__ = ["ServerContext", "build_app"]
 
@@ -63,7 +65,7 @@ class ServerContext:
 
     def __init__(self, engine: Any, settings: ServerSettings, run_blocking: Callable[..., Any],
                  connections: Callable[[], int | None] = lambda: None) -> None:
-        import inspect
+        from ..engine_like import submit_keywords
 
         self.engine = engine
         self.settings = settings
@@ -73,7 +75,7 @@ class ServerContext:
         self.model_name = settings.model_name or model_name_of(engine)
         self.aliases = [a for a in model_aliases_of(engine) if a != self.model_name]
         self.token_text = TokenText(getattr(engine, "tokenizer", None))
-        self.engine_args = frozenset(inspect.signature(engine.submit).parameters)
+        self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine_like`)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted
         self.closing = False
         self.created = int(time.time())
@@ -421,12 +423,21 @@ def _check_engine(ctx: ServerContext) -> None:
 
 
 def _encode_all(engine: Any, g: GenerationRequest) -> list[list[int]]:
-    """Token ids of each prompt (on the worker thread)."""
+    """Token ids of each prompt (on the worker thread; there too, the first grammar's one-time tokenizer build)."""
     field = "prompt" if g.kind == "completion" else "messages"
+    if "response_format" in g.submit_kwargs or "json_schema" in g.submit_kwargs:
+        try:
+            warm(getattr(engine, "tokenizer", None), engine.vocab_size, getattr(engine, "default_eos", ()))
+        except ValueError as e:
+            raise protocol.invalid("response_format" if "response_format" in g.submit_kwargs else "tools",
+                                   str(e)) from None
     out = []
     for i, prompt in enumerate(g.prompts):
         where = f"{field}[{i}]" if len(g.prompts) > 1 else field
         try:
+            if g.tools and getattr(engine, "tokenizer", None) is not None:  # tools rendered into the prompt
+                out.append(engine.encode(render_tools(engine.tokenizer, prompt, g.tools)))
+                continue
             out.append(engine.encode(prompt, chat=g.kind == "chat") if isinstance(prompt, str)
                        else engine.encode(prompt))
         except Exception as e:  # tokenizer or chat-template errors are the request's problem
@@ -487,12 +498,12 @@ _FIELD_OF = {"min_new_tokens": "min_tokens", "eos_token_id": "stop_token_ids", "
              "repetition_penalty": "repetition_penalty", "min_p": "min_p", "top_k": "top_k", "top_p": "top_p",
              "temperature": "temperature", "seed": "seed", "stop": "stop", "logprobs": "logprobs",
              "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-             "prompt_logprobs": "echo"}
+             "prompt_logprobs": "echo", "response_format": "response_format", "json_schema": "tools"}
 
 
 def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: int | None, client: str,
             choice: int = 0) -> Any:
-    from ..engine import EngineStoppedError
+    from ..inbox import EngineStoppedError
 
     rid = f"http-{next(_REQUEST_IDS)}"
     kw = dict(g.submit_kwargs)

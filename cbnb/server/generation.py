@@ -20,6 +20,9 @@ A token's string is ``tokenizer.decode([id])`` (special tokens included), except
 of a UTF-8 character: its string names its bytes, ``"bytes:\\xe2\\x80"`` (OpenAI's form; U+FFFD would make such tokens
 indistinguishable). `bytes` are the token's raw bytes (exact for byte-level BPE tokenizers, else the UTF-8 of its
 decoded string). Without a tokenizer the string is ``"token_id:<id>"``.
+
+Tool calls (chat with `tools`, `tool_choice` not "none"): the choice's text is parsed by `cbnb.server.tools`; a
+call becomes ``message.tool_calls`` (content null) with finish_reason "tool_calls"; streamed, as `ToolStream` says.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from typing import Any, AsyncIterator, Callable
 from .counters import ServerCounters
 from .protocol import ApiError, GenerationRequest
 from .sse import DONE, sse
-from .stops import StopMatcher
+from ..stops import TextStopFilter
+from .tools import CallStream, ToolStream, new_call_id, parse_calls, tool_calls_body
 
 __all__ = ["Generation", "Choice", "PrimedHandle", "Slot", "TokenText"]
 
@@ -165,7 +169,7 @@ class Choice:
     def __init__(self, index: int, handle: Any, g: GenerationRequest, closing: Callable[[], bool],
                  on_tokens: Callable[[int], None]) -> None:
         self.index, self.handle, self.g, self.closing, self.on_tokens = index, handle, g, closing, on_tokens
-        self.matcher = StopMatcher(g.stop) if g.stop else None
+        self.matcher = TextStopFilter(g.stop) if g.stop else None
         self.prompt_tokens = len(handle.prompt_token_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -175,6 +179,8 @@ class Choice:
         self.offset = 0  # completions' text_offset of the next token: characters of the text so far
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # bytes so far -> whole characters
         self.discard = g.max_tokens == 0  # echo with max_tokens=0: the engine's one token is not part of the answer
+        self.tools = g.tools if g.tools and g.tool_choice != "none" else None
+        self.forced = self.tools is not None and g.tool_choice != "auto"  # "required" or a named function
         self.prompt_logprobs: list[Any] | None = None  # the engine's, for echo (None first)
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[Any]]]:
@@ -319,6 +325,9 @@ class Generation:
         for c in self.choices:
             head = c.echo_logprobs(self.tokens) if self.g.echo and self.g.logprobs is not None else None
             text, lp = "".join(c.text), c.logprobs_body(c.logprobs, self.tokens)
+            calls: list[dict] = []
+            if c.tools is not None and c.finish_reason is not None:
+                content, calls = parse_calls(text, c.tools)
             if self.g.echo:
                 text = self._prompt_text(c) + text
             if head is not None:
@@ -326,8 +335,13 @@ class Generation:
             if self.g.kind == "completion":
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if calls:
+                    msg = {"role": "assistant", "content": content,
+                           "tool_calls": tool_calls_body(calls, [new_call_id() for _ in calls])}
+                    finish = "tool_calls"
+                out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
         obj = "text_completion" if self.g.kind == "completion" else "chat.completion"
         return {**self._head(obj), "choices": out, "usage": self.usage()}
 
@@ -374,15 +388,68 @@ class Generation:
             await emit(sse({**self._head(obj), "choices": [], "usage": self.usage()}))
         await emit(DONE)
 
-    def _final(self, c: Choice) -> dict[str, Any]:
-        return self._chunk(c, None if self.g.kind == "chat" else "", c.finish_reason)
+    def _final(self, c: Choice, finish: str | None = None) -> dict[str, Any]:
+        return self._chunk(c, None if self.g.kind == "chat" else "", finish or c.finish_reason)
+
+    def _call_chunk(self, c: Choice, delta: dict, lps: list[Any] | None = None) -> dict[str, Any]:
+        chunk = self._chunk(c, None, None, lps)
+        chunk["choices"][0]["delta"]["tool_calls"] = [delta]
+        return chunk
+
+    async def _forced_pieces(self, c: Choice) -> AsyncIterator[dict[str, Any]]:
+        """A forced call's chunks (`CallStream`): its arguments stream as they are generated."""
+        cs = CallStream()
+        async for text, lps in c.pieces():
+            deltas = cs.push(text)
+            for k, d in enumerate(deltas):
+                yield self._call_chunk(c, d, lps if k == len(deltas) - 1 else None)
+            if lps and not deltas:
+                yield self._chunk(c, None, None, lps)
+        if c.error is not None:
+            return
+        for d in cs.finish(c.finish_reason == "stop"):
+            yield self._call_chunk(c, d)
+        if cs.text:
+            yield self._chunk(c, cs.text, None)
+        yield self._final(c, "tool_calls" if cs.started and c.finish_reason == "stop" else None)
+
+    async def _pieces(self, c: Choice) -> AsyncIterator[dict[str, Any]]:
+        """A choice's chunks, its final one included (tool calls parsed; see `cbnb.server.tools`)."""
+        if c.forced:
+            async for chunk in self._forced_pieces(c):
+                yield chunk
+            return
+        ts = ToolStream(c.tools) if c.tools is not None else None
+        if self.g.echo:  # streamed echo (without logprobs): the prompt's text is the choice's first chunk
+            yield self._chunk(c, self._prompt_text(c), None)
+        async for text, lps in c.pieces():
+            if ts is not None:
+                text = ts.push(text)
+                if not text and not lps:
+                    continue
+            yield self._chunk(c, text, None, lps)
+        if c.error is not None:
+            return
+        finish = None
+        if ts is not None:
+            content, calls = ts.finish()
+            if calls:
+                if content:
+                    yield self._chunk(c, content, None)
+                for k, body in enumerate(tool_calls_body(calls, [new_call_id() for _ in calls])):
+                    fn = body["function"]
+                    yield self._call_chunk(c, {"index": k, "id": body["id"], "type": "function",
+                                               "function": {"name": fn["name"], "arguments": ""}})
+                    yield self._call_chunk(c, {"index": k, "function": {"arguments": fn["arguments"]}})
+                finish = "tool_calls"
+            elif content or ts.held:
+                yield self._chunk(c, content if content is not None else ts.held, None)
+        yield self._final(c, finish)
 
     async def _stream_one(self, c: Choice, emit: Callable[[bytes], Any]) -> None:
-        async for text, lps in c.pieces():
-            await emit(sse(self._chunk(c, text, None, lps)))
+        async for chunk in self._pieces(c):  # no final chunk after an error
+            await emit(sse(chunk))
         self.error = c.error
-        if c.error is None:
-            await emit(sse(self._final(c)))
 
     async def _stream_many(self, emit: Callable[[bytes], Any]) -> None:
         events: asyncio.Queue = asyncio.Queue()
@@ -391,8 +458,8 @@ class Generation:
 
         async def pump(c: Choice) -> None:
             try:
-                async for piece in c.pieces():
-                    await events.put((c, piece))
+                async for chunk in self._pieces(c):
+                    await events.put((c, chunk))
             except Exception as e:  # raised in the stream's own task below
                 failures.append(e)
             finally:
@@ -402,9 +469,9 @@ class Generation:
         try:
             left = len(tasks)
             while left:
-                c, piece = await events.get()
-                if piece is not None:
-                    await emit(sse(self._chunk(c, piece[0], None, piece[1])))
+                c, chunk = await events.get()
+                if chunk is not None:
+                    await emit(sse(chunk))
                     continue
                 left -= 1
                 if failures:
@@ -412,7 +479,6 @@ class Generation:
                 if c.error is not None:
                     self.error = c.error
                     return
-                await emit(sse(self._final(c)))
         finally:
             for t in tasks:
                 t.cancel()

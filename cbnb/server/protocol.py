@@ -11,10 +11,17 @@ extra sampling fields (`VLLM_FIELDS`: `top_k`, `min_p`, `repetition_penalty`, `m
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`; load generators such as GuideLLM send
 `ignore_eos`). OpenAI's metadata fields that do not change the output (`METADATA_FIELDS`: `metadata`, `store`,
 `service_tier`, `user`, ...) are accepted and ignored. Unknown fields are refused (400, naming the field), never
-ignored. Fields the engine cannot honour (`suffix`, `best_of` > 1, tools, `echo` with `stream`, ...) are parsed and
-range-checked, and then either mapped to an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or
+ignored. Fields the engine cannot honour (`suffix`, `best_of` > 1, `echo` with `stream` and `logprobs`, ...) are
+parsed and range-checked, and then either mapped to an engine argument when `engine.submit` takes one (see `ENGINE_ARGS`) or
 answered with 400 "not supported yet: <field>" when the value would change the output; a neutral value
-(`best_of=1`, `suffix=""`, `tool_choice="none"`) is accepted.
+(`best_of=1`, `suffix=""`) is accepted.
+
+Structured output (chat): `response_format` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+{...}}`` goes to the engine's `response_format` (a grammar mask, `cbnb.structured`); a schema that does not compile
+is a 400 naming `response_format`. Tools (chat): `tools`, `tool_choice` ("none", "auto", "required" or
+``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls`; "required" and a named function
+become the engine's `json_schema` (one valid call, `cbnb.server.tools.call_schema`), so they cannot be combined
+with `response_format`; assistant messages may carry `tool_calls` and tool messages `tool_call_id`.
 
 Several outputs: `n` choices per prompt, and for completions a batch of prompts (`prompt` as a list of strings or
 of token-id lists); each (prompt, choice) is one engine request, at most `MAX_CHOICES` of them per HTTP request.
@@ -31,6 +38,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .tools import ToolSpec, call_schema
 
 __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBody", "parse_json", "parse_request",
            "ENGINE_ARGS", "METADATA_FIELDS", "VLLM_FIELDS", "MAX_CHOICES", "error_body"]
@@ -209,15 +218,34 @@ class CompletionBody(_Body):
         raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     @field_validator("content")
     @classmethod
     def _content(cls, v: Any) -> str:
+        if v is None:
+            return ""
         if isinstance(v, str):
             return v
         if isinstance(v, list):  # content parts: only text parts are supported
@@ -238,9 +266,20 @@ class ChatCompletionBody(_Body):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if (isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+                and isinstance(v["function"].get("name"), str) and set(v) == {"type", "function"}
+                and set(v["function"]) == {"name"}):
+            return v
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
 class TokenizeBody(BaseModel):
@@ -288,6 +327,8 @@ class GenerationRequest:
         stream, include_usage: streaming flags; continuous_usage: usage so far in every chunk (with include_usage).
         model: the model name asked for (None: the served one).
         user: the OpenAI `user` field, if any (shown as part of the request's source).
+        tools: chat's `tools` as dicts (rendered into the prompt), or None; tool_choice: "none", "auto",
+            "required" or {"type": "function", ...} (None: "auto" with tools).
     """
 
     kind: str
@@ -304,6 +345,8 @@ class GenerationRequest:
     logprobs: int | None = None
     stop_token_ids: list[int] | None = None
     echo: bool = False
+    tools: list[dict] | None = None
+    tool_choice: Any = None
 
     @property
     def prompt(self) -> Any:
@@ -409,13 +452,13 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
         if echo and logprobs is not None:
             kw["prompt_logprobs"] = logprobs
     else:
-        prompts = [[{"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
-                    for m in body.messages]]
+        prompts = [[_message(m) for m in body.messages]]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         echo = False
+        tools, choice = _tools(body, kw, engine_args)
     if len(prompts) * n > MAX_CHOICES:
         raise invalid("n", f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES} "
                       "per request")
@@ -428,7 +471,50 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
                              stream=bool(body.stream), include_usage=bool(opts and opts.include_usage),
                              continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
                              model=body.model, user=body.user, n=n, logprobs=logprobs,
-                             stop_token_ids=body.stop_token_ids or None, echo=echo)
+                             stop_token_ids=body.stop_token_ids or None, echo=echo,
+                             tools=tools if kind == "chat" else None, tool_choice=choice if kind == "chat" else None)
+
+
+def _message(m: "ChatMessage") -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    return out
+
+
+def _tools(body: "ChatCompletionBody", kw: dict[str, Any], engine_args: frozenset[str]) -> tuple[Any, Any]:
+    """(tools as dicts, tool_choice); maps response_format and a forced call to the engine's arguments."""
+    rf = body.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        if "response_format" not in engine_args:
+            raise unsupported("response_format", " (only {'type': 'text'})")
+        kw["response_format"] = rf
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", f"tool_choice {_short(choice) if isinstance(choice, str) else 'a function'} "
+                          "needs tools")
+        return None, None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools", f"function names must be unique; got {names}")
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        raise invalid("tool_choice", f"tool_choice names {choice['function']['name']!r}, which is not in tools "
+                      f"({', '.join(names)})")
+    forced = choice == "required" or isinstance(choice, dict)
+    if forced:
+        if "response_format" in kw:
+            raise invalid("response_format", "response_format cannot be combined with tool_choice 'required' or a "
+                          "named function (the call's own schema constrains the output)")
+        if "json_schema" not in engine_args:
+            raise unsupported("tool_choice", " (the engine has no json_schema)")
+        kw["json_schema"] = call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)
+    return tools, (choice or "auto")
 
 
 def parse_tokenize(obj: dict[str, Any]) -> TokenizeBody:
@@ -478,8 +564,8 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
     if logprobs is not None and "logprobs" not in engine_args:
         raise unsupported("logprobs")
     if isinstance(body, CompletionBody):
-        if body.echo and body.stream:
-            raise unsupported("echo", " with stream=true (echo works without streaming)")
+        if body.echo and body.stream and body.logprobs is not None:
+            raise unsupported("echo", " with stream=true and logprobs (echo with logprobs works without streaming)")
         if body.echo and body.logprobs is not None and "prompt_logprobs" not in engine_args:
             raise unsupported("echo", " with logprobs (the engine does not compute prompt logprobs)")
         if body.max_tokens == 0 and not body.echo:
@@ -491,9 +577,7 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
             raise unsupported("best_of", " (only best_of=1)")
     else:
         assert isinstance(body, ChatCompletionBody)
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", " (only {'type': 'text'})")
-        if body.tools:
-            raise unsupported("tools")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice")
+        rf = body.response_format
+        if rf is not None and rf.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise invalid("response_format", "response_format.type must be 'text', 'json_object' or 'json_schema'; "
+                          f"got {_short(rf.get('type'))}")

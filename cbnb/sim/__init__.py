@@ -17,20 +17,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from .calibrate import calibrate  # the function, bound after the submodule loads (so it never shadows it)
 from .cost import CostModel, RowLoad, StepCost, StepLoad
-from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationStuck
+from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationPaused, SimulationStuck
 from .profiles import PROFILE_NAMES, HardwareProfile, load_profile
 from .shapes import SHAPE_NAMES, ModelShape, load_shape
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "HardwareProfile", "load_profile", "PROFILE_NAMES", "CostModel",
            "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck",
-           "SIM_TOKEN", "calibrate"]
+           "SimulationPaused", "SIM_TOKEN", "calibrate"]
 
-
-def calibrate(*args: Any, **kwargs: Any):
-    """Measure this machine's ``cpu`` profile (see `cbnb.sim.calibrate.calibrate`)."""
-    from .calibrate import calibrate as _calibrate
-
-    return _calibrate(*args, **kwargs)

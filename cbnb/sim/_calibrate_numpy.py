@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .calibrate import _ROWS, _median_time, _positive
+from ._calibrate_common import _ROWS, _median_time, _positive
 from .shapes import ModelShape
 
 METHODS = {

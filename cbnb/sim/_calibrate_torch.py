@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._together import submitted_together
-from .calibrate import _ROWS, _ATT_ROWS, _median_time, _positive
+from ._calibrate_common import _ROWS, _ATT_ROWS, _median_time, _positive
 from .shapes import ModelShape
 
 METHODS = {
@@ -25,6 +25,8 @@ METHODS = {
                          "flushed before each run: the bytes the cost model counts for them per second",
     "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
                         "bytes the cost model counts per second",
+    "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu_kernels, float32) for "
+                               "16 decode rows over 512 keys in pages of 16: the bytes the cost model counts per s",
     "kernel_launch_s": "one small tensor op (dispatch)",
     "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, least-squares fit over 2/8 "
                        "layers and 1/8/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
@@ -53,6 +55,7 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
         out["attention"] = _attention(s, dt, quick, reps, log)
         out["elementwise"] = _elementwise(s, dt, quick, reps, out["op_s"], log)
         out["gather"] = _gathered_decode(s, dt, reps, log)
+        out["decode_kernel"] = _kernel_decode(s, dt, reps, log)
         out.update(_fixed_costs(s, quick, log))
         return out
     finally:
@@ -194,6 +197,32 @@ def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: f
         curve.append([rows, s.itemsize * rows * elementwise_elems(s) / _positive(t - ops * op_s, t * 0.05)])
     log("elementwise " + ", ".join(f"rows={m}: {r / 1e9:.1f} GB/s" for m, r in curve))
     return curve
+
+
+def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float | None:
+    """The CPU runner's compiled decode kernel (`cbnb.runner.cpu_kernels.paged_decode`, what the runner uses for
+    float32 decode rows when it is available), 16 rows over 512 keys in pages of 16; the bytes the cost model counts
+    for it per second (`cbnb.sim.cost.decode_kernel_bytes`). None when the kernel is unavailable or not float32."""
+    from ..runner import cpu_kernels
+    from .cost import decode_kernel_bytes
+
+    if dt != torch.float32 or not (cpu_kernels.enabled() and cpu_kernels.available()):
+        return None
+    rows, keys, page, H, Hkv, d = 16, 512, 16, s.num_heads, s.num_kv_heads, s.head_dim
+    width = keys // page
+    n_blocks = rows * width + 8
+    k_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
+    v_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
+    table = torch.randperm(n_blocks)[: rows * width].view(rows, width).contiguous()
+    q = torch.randn(rows, H, d, dtype=dt)
+    out = torch.empty_like(q)
+    idx = torch.arange(rows, dtype=torch.long)
+    lens = torch.full((rows,), keys, dtype=torch.long)
+    t = _median_time(lambda: cpu_kernels.paged_decode(q, k_pages, v_pages, idx, table, lens, keys, d ** -0.5, out),
+                     reps)
+    rate = decode_kernel_bytes(s, [keys] * rows) / t
+    log(f"decode kernel {rate / 1e9:.1f} GB/s (counted bytes)")
+    return rate
 
 
 def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float:

@@ -22,32 +22,16 @@ estimated from the op cost and kernel counts, and the profile's notes say so.
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from .profiles import HardwareProfile
 from .shapes import load_shape
 
 __all__ = ["calibrate"]
 
-_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_ATT_ROWS = (16, 64, 256, 512)
-
-
-def _median_time(fn: Callable[[], Any], reps: int, min_s: float = 0.0) -> float:
-    fn()  # warm-up
-    ts = []
-    while len(ts) < reps or sum(ts) < min_s:
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-        if len(ts) >= 50 * reps:
-            break
-    return statistics.median(ts)
 
 
 def _available_memory() -> int:
@@ -61,7 +45,7 @@ def _available_memory() -> int:
 
 def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str = "cpu", threads: int | None = None,
               save: bool | str = True, quick: bool = False, budget_s: float = 60.0,
-              verbose: bool = False) -> HardwareProfile:
+              verbose: bool = False, busy: str = "warn") -> HardwareProfile:
     """Measure this CPU as a `HardwareProfile` (see the module docstring for what and how).
 
     Args:
@@ -74,10 +58,30 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         budget_s: time budget (seconds); the GEMM rounds stop early past half of it. For smollm2-135m it took 27 s
             on the 2-core development machine (1 thread, while other jobs loaded it).
         verbose: print each measurement.
+        busy: what to do when the machine is busy (`machine_busy`: the 1-minute load average is at least the
+            number of cores before measuring, or after it above the cores plus our own threads): "warn" (default: a
+            RuntimeWarning, and the profile is marked: ``provenance["details"]["busy"]`` and its notes),
+            "refuse" (RuntimeError before measuring anything), "ignore".
 
     Returns:
-        The profile (saved unless `save` is False).
+        The profile (saved unless `save` is False); ``provenance`` is {"kind": "calibrated", "details": {load
+        averages before and after, busy, threads}}.
+
+    Raises:
+        RuntimeError: `busy` is "refuse" and the machine is busy.
+        ValueError: `busy` is not one of "warn", "refuse", "ignore".
     """
+    if busy not in ("warn", "refuse", "ignore"):
+        raise ValueError(f"busy must be 'warn', 'refuse' or 'ignore'; got {busy!r}")
+    load0 = _loadavg()
+    cores = os.cpu_count() or 1
+    if busy != "ignore" and load0 is not None and load0 >= cores:
+        msg = (f"calibrate(): the machine is busy (load average {load0:.1f} on {cores} cores): every figure would "
+               "measure the other jobs too (a loaded 2-core machine measures ~10 GFLOP/s GEMMs where a quiet one "
+               "does ~68); measure when it is idle")
+        if busy == "refuse":
+            raise RuntimeError(msg)
+        warnings.warn(msg + "; the profile is marked busy", RuntimeWarning, stacklevel=2)
     t_start = time.perf_counter()
     s = load_shape(shape, dtype=dtype)
     log = print if verbose else (lambda *a, **k: None)
@@ -86,6 +90,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
     except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
         from . import _calibrate_numpy as impl  # type: ignore[no-redef]
     figures = impl.measure(s, threads=threads, quick=quick, log=log, budget_s=budget_s)
+    load1 = _loadavg()
+    is_busy = machine_busy(load0, load1, cores, int(figures.get("threads") or 1)) or bool(figures.get("noisy"))
     if figures.get("noisy"):
         warnings.warn("calibrate(): step times fell with more layers or more rows; the machine was too busy for "
                       "reliable figures (retry when it is idle, or with threads=1)", RuntimeWarning, stacklevel=2)
@@ -98,12 +104,16 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         kernel_launch_s=figures["op_s"], layer_overhead_s=figures["layer_s"], attention_call_s=figures["call_s"],
         request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
         attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
-        gather_bandwidth=figures.get("gather"),
+        gather_bandwidth=figures.get("gather"), decode_kernel_bandwidth=figures.get("decode_kernel"),
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
                f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
                + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")
-               + ("; NOISY: step times fell with more layers or rows (machine busy)" if figures.get("noisy") else "")),
+               + ("; NOISY: step times fell with more layers or rows (machine busy)" if figures.get("noisy") else "")
+               + (f"; BUSY: load average {load0} before, {load1} after" if is_busy else "")),
+        provenance={"kind": "calibrated", "details": {"load_average_before": load0, "load_average_after": load1,
+                                                      "cores": cores, "threads": figures.get("threads"),
+                                                      "busy": is_busy}},
     )
     if save:
         path = profile.save(None if save is True else save)
@@ -111,5 +121,15 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
     return profile
 
 
-def _positive(x: float, floor: float) -> float:
-    return x if math.isfinite(x) and x > floor else floor
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
+def machine_busy(before: float | None, after: float | None, cores: int, threads: int) -> bool:
+    """Whether a calibration was measured on a busy machine: the 1-minute load average was at least `cores` before
+    it started (every core already had a runnable process), or above ``cores + threads`` after it (others ran
+    alongside our own `threads`). Unknown load averages count as not busy."""
+    return (before is not None and before >= cores) or (after is not None and after > cores + threads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics import FIGURE_LABELS
+from ..runs import provenance_text
 
 __all__ = ["COMPARED", "compare_runs", "compare_figure"]
 
@@ -71,6 +72,11 @@ def compare_figure(predicted: Any, measured: Any, *, title: str | None = None):
                                  line=dict(dash="dash", color="gray")), 1, 2)
     fig.update_xaxes(title_text="measured e2e (s)", row=1, col=2)
     fig.update_yaxes(title_text="predicted e2e (s)", row=1, col=2)
-    fig.update_layout(barmode="group", height=380, title=title or "predicted vs measured",
+    prov = getattr(predicted, "provenance", None) or {}
+    default = "predicted vs measured"
+    if prov and prov.get("kind") != "measured":  # say how far the prediction goes, where it is read
+        default = (f"predicted ({prov.get('profile', '')}: {provenance_text(prov)}; cbnb's scheduler, not vLLM's) "
+                   "vs measured")
+    fig.update_layout(barmode="group", height=380, title=title or default,
                       margin=dict(l=60, r=20, t=70, b=50))
     return fig

@@ -51,7 +51,7 @@ from .profiles import HardwareProfile
 from .shapes import ModelShape
 
 __all__ = ["RowLoad", "StepLoad", "StepCost", "CostModel", "sum_keys", "elementwise_elems", "gathered_decode_bytes",
-           "pad_to_interval", "next_pow2"]
+           "decode_kernel_bytes", "pad_to_interval", "next_pow2"]
 
 _EXTRA_KERNELS = 8  # embedding, final norm, LM head, logits gather, sampling, copies (eager, per step)
 
@@ -146,6 +146,14 @@ def gathered_decode_bytes(shape: ModelShape, kv_lens: list[int], page: int) -> i
     return sum(kv * kvb + qo + kvb for kv in kv_lens) + 2 * len(kv_lens) * width * page * kvb
 
 
+def decode_kernel_bytes(shape: ModelShape, kv_lens: list[int]) -> int:
+    """Bytes the cost model counts for the CPU decode kernel over rows with these KV lengths (one layer): each row's
+    K/V read in place, its query and output, and its new K/V."""
+    kvb = 2 * shape.num_kv_heads * shape.head_dim * shape.itemsize
+    qo = 2 * shape.num_heads * shape.head_dim * shape.itemsize
+    return sum(kv * kvb + qo + kvb for kv in kv_lens)
+
+
 def sum_keys(start: int, n: int, window: int | None) -> int:
     """Sum over the chunk's queries (positions start .. start+n-1) of the keys each attends: min(p + 1, window)."""
     lo, hi = start + 1, start + n  # keys of the first and last query without a window
@@ -220,6 +228,8 @@ class CostModel:
         qo = 2 * s.num_heads * s.head_dim * self.a
         per_key = 4 * s.num_heads * s.head_dim
         cpu = p.runner == "cpu"
+        kernel = cpu and p.decode_kernel_bandwidth is not None and self.dtype == "float32"
+        k_bytes = 0.0
         page = self.page
         t = flops = nbytes = 0.0
         calls = 0
@@ -231,6 +241,10 @@ class CostModel:
             kv = r.start + r.tokens if window is None else min(r.start + r.tokens, window)
             row_bytes = kv * self.kv_token_bytes + r.tokens * (qo + self.kv_token_bytes)
             if r.tokens == 1 and r.start > 0:  # a decode row (one query over its past)
+                if kernel:  # every decode row in one compiled call, pages read in place
+                    k_bytes += row_bytes
+                    flops += per_key * kv
+                    continue
                 if cpu and -(-kv // page) > 1:
                     gathered.append(kv)
                     g_flops += per_key * kv
@@ -255,6 +269,10 @@ class CostModel:
             t += self._roofline(dec_flops, dec_bytes, p.attention_rate(self.dtype, 1))
             flops += dec_flops
             nbytes += dec_bytes
+        if k_bytes:
+            calls += 1
+            t += k_bytes / p.decode_kernel_bandwidth
+            nbytes += k_bytes
         if gathered:
             calls += 1
             b = gathered_decode_bytes(s, gathered, page)

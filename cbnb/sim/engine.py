@@ -1,19 +1,22 @@
-"""`SimEngine`: cbnb's own core on a virtual clock, costed by `CostModel` instead of a model forward (torch-free).
+"""`SimEngine`: the engine shell on a virtual clock, with the cost model as its executor (torch-free).
 
-The decisions are cbnb's by construction: `SimEngine` drives the real `cbnb.core.EngineCore` (the same schedulers,
-cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
+`SimEngine` is `cbnb.shell.EngineShell`, the lifecycle `cbnb.Engine` has too (generate, cancel_all, the step mode,
+reconfigure's run segments, stats, reset_stats, snapshot, memory_split, explain, serve), with two parts injected:
+the executor `cbnb.sim.executor.SimExecutor` (the `CostModel` in the runner's place: placeholder tokens and a step
+cost) and a virtual clock (`now`, simulated seconds). It drives the real `cbnb.core.EngineCore` (the same
+schedulers, cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
 (`cbnb.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
-prompts and arguments with `cbnb.prompts`, records events and statistics with the engine's `cbnb.telemetry.Recorder`,
-and runs the engine loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs,
-or ``async_batching=True``) where step N+1 is planned and launched before step N is applied. So the same workload
-gives the same StepPlanned records, the same event types in the same order and the same `stats()` keys as
-`cbnb.Engine`; only times differ (simulated seconds, from the cost model).
+prompts and arguments with `cbnb.prompts`, records with the engine's `cbnb.telemetry.Recorder`, and runs the engine
+loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs, or
+``async_batching=True``). So the same calls give the same StepPlanned records, the same event kinds in the same
+order, the same run segments and the same `stats()` keys as `cbnb.Engine`; only times differ (simulated seconds).
 
 Every sample is the token `SIM_TOKEN` and EOS never ends a request, so a request generates exactly its
-`max_new_tokens` (None: up to the model's max positions). Sampling arguments are validated as `Engine.submit` does
-but change nothing (sampling is costed as greedy).
+`max_new_tokens` (None: up to the model's max positions). `submit` takes every keyword of `Engine.submit`;
+sampling and logits-processor arguments are validated as there but change nothing (sampling is costed as greedy);
+what needs logits or text (``logprobs``, ``prompt_logprobs``, ``stop``) raises a `ValueError` naming the keyword.
 
-Three ways to run it:
+Three ways to run it (`cbnb.sim.driving`):
 
 - caller-driven (default): `run()` (until every submitted request has ended), `run_until(t)` (simulated seconds),
   `generate(...)`, or a handle's `result()`, which runs the simulation until that request ends;
@@ -30,34 +33,34 @@ waits for that step, as on the real engine). The tuning lab drives it through `d
 from __future__ import annotations
 
 import itertools
-import threading
-import time
-import weakref
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
 from ..cache.manager import CacheManager
 from ..cache.sizing import MemoryPlan, plan_memory
-from ..cache.snapshot import KVSnapshot, kv_snapshot
 from ..config import ContinuousBatchingConfig
 from ..core import EngineCore
-from ..handle import HandleTable, RequestHandle, check_timeout
-from ..prompts import prompt_ids, sampling_params, split_batch
+from ..generation import REQUEST_ARGS
+from ..handle import check_timeout
+from ..prompts import prompt_ids, prompt_preview, sampling_params
 from ..requests import Request, RequestOutput, RequestState
 from ..runs import RunLog
+from ..segments import carry_step_id, mark_reconfigure
+from ..shell import EngineShell
 from ..telemetry import Recorder
-from ._gc import relaxed_gc
 from .clock import SimClock
 from .cost import CostModel
-from .loop import SIM_TOKEN, SimStep, SimulationStuck, VirtualLoop
-from .playback import Playback, check_speed
+from .driving import SimDriving, SimHandle, SimulationPaused
+from .executor import SIM_TOKEN, SimExecutor
+from .loop import SimStep, SimulationStuck, VirtualLoop
 from .profiles import HardwareProfile, load_profile
 from .shapes import ModelShape, load_shape
 
-__all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SIM_TOKEN"]
+__all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SimulationPaused", "SIM_TOKEN"]
 
 _UNLIMITED_HOST = 1 << 60
+#: `submit` keywords a simulation cannot honour: it has no logits and no text.
+_NEEDS_A_MODEL = ("logprobs", "prompt_logprobs", "stop")
 
 
 @dataclass(frozen=True)
@@ -71,35 +74,7 @@ class SimDevice:
         return f"sim:{self.profile}"
 
 
-class SimHandle(RequestHandle):
-    """`cbnb.RequestHandle` of a simulated request. On an engine with no playback thread (caller-driven), waiting
-    on it runs the simulation on the caller's thread: `result()` until this request has ended, iteration until its
-    next tokens (`async for` until it has ended)."""
-
-    def __init__(self, request: Request, sim: "SimEngine") -> None:
-        super().__init__(request, None, sim.cancel)
-        self._drive = weakref.WeakMethod(sim._drive_until)
-
-    def _run_until(self, cond: Callable[[], bool]) -> None:
-        drive = self._drive()
-        if drive is not None and not cond():
-            drive(cond)
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        self._run_until(self.done)
-        return super().result(timeout)
-
-    def _before_wait(self) -> None:
-        q = self._q
-        self._run_until(lambda: not q.empty() or self.done())
-
-    async def __aiter__(self):
-        self._run_until(self.done)
-        async for d in super().__aiter__():
-            yield d
-
-
-class SimEngine:
+class SimEngine(SimDriving, EngineShell):
     """Simulate cbnb serving a model shape on a hardware profile.
 
     Args:
@@ -115,13 +90,9 @@ class SimEngine:
 
     Attributes (as `cbnb.Engine`'s): config, user_config, layout, memory, cache, core, events, device, vocab_size,
     max_positions, weight_bytes, model_id (the shape's Hugging Face id, for exports), tokenizer (None: prompts
-    are token ids), runs (the run log: every
-    `cbnb.tuning.run_workload` and every `reconfigure`); and `now` (the virtual clock, seconds), `present` (the
-    caller's instant on it), `steps` (`SimStep` per executed step), `driver_clock` (a `SimClock`).
-
-    The tuning lab's engine protocol (`cbnb.driver`, `cbnb.tuning`): ``engine_name`` ("sim-<profile>", how the run
-    log names its runs), ``records_reconfigures`` (True), ``driver_clock`` (virtual time, so `run_workload` and
-    `sweep` drive the simulation from the caller's thread), ``runs``, ``reset_stats``, ``stats``, ``generate``.
+    are token ids), runs (the run log: every `cbnb.tuning.run_workload` and every `reconfigure`); and `now` (the
+    virtual clock, seconds), `present` (the caller's instant on it), `steps` (`SimStep` per executed step),
+    `driver_clock` (a `SimClock`: the tuning lab drives the simulation from the caller's thread).
 
     Raises:
         ValueError: an unknown shape or profile (named), a bad config value, or a dtype the profile has no FLOP/s
@@ -132,7 +103,6 @@ class SimEngine:
 
     tokenizer = None
     default_eos: frozenset[int] = frozenset()
-    records_reconfigures = True
 
     def __init__(self, shape: Any, profile: Any, config: ContinuousBatchingConfig | None = None, *,
                  dtype: Any = None, async_batching: bool | None = None, telemetry: bool = True,
@@ -148,16 +118,13 @@ class SimEngine:
         self.device = SimDevice(self.profile.device_type, self.profile.name)
         self.telemetry = bool(telemetry)
         self._async_override = async_batching
-        self._lock = threading.RLock()
-        self._handles = HandleTable()
-        self.recorder = Recorder(self.telemetry, event_log_size, clock=self._clock)
-        self._loop = VirtualLoop(self.recorder, self._deliver)
+        self._loop = VirtualLoop(Recorder(self.telemetry, event_log_size, clock=self._clock), self._deliver)
+        self._lock = self._loop.lock
         self._ended: dict[str, Request] = {}  # every ended request, for `outputs()`
         self._order: list[str] = []
-        self._recent: deque[Request] = deque(maxlen=256)
         self._ids = itertools.count()
         self._last_arrival = 0.0
-        self._playback: Playback | None = None
+        self._playback = None
         self._state = "created"
         self.error: BaseException | None = None
         self.wall_s = 0.0  # host seconds spent in run()/run_until()
@@ -166,6 +133,7 @@ class SimEngine:
         self.model_id = self.shape.hf_id or self.shape.name  # what exports name as the model to serve
         self.driver_clock = SimClock(self)
         self._install(config or ContinuousBatchingConfig())
+        self.recorder.flush()
         self.runs = runs if isinstance(runs, RunLog) else RunLog(base=self.user_config, path=runs)
 
     def _clock(self) -> float:
@@ -211,21 +179,25 @@ class SimEngine:
     def _install(self, config: ContinuousBatchingConfig, carry: Sequence[Request] = ()) -> None:
         resolved, memory, swap = self.plan_memory(config)
         layout = self.shape.layout(resolved.page_size)
+        rec = self.recorder
         cache = CacheManager(layout, memory.num_sectors, allow_block_sharing=resolved.allow_block_sharing,
-                             prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=self.recorder.sink)
+                             prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=rec.sink)
         core = EngineCore(resolved, cache, on_terminal=self._on_terminal, clock=self._clock)
+        core.kv_for_runner = False  # the cost model reads the plan's loads, not block tables
+        carry_step_id(self._loop.core, core)
         self.user_config, self.config, self.layout, self.memory, self.swap_sectors = (
             config, resolved, layout, memory, swap)
         ov = self._async_override
         self.async_batching = bool(resolved.use_async_batching if ov is None else ov)
-        self._loop.install(core, cache, layout, CostModel(self.shape, self.profile, resolved), self.async_batching)
+        self._loop.install(core, cache, layout, SimExecutor(CostModel(self.shape, self.profile, resolved), layout),
+                           self.async_batching)
         for req in carry:
-            self.recorder.admit(core, req, resume=True)
-        self.recorder.flush()
+            core.add(req, resume=True)
 
     def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
         """Apply a new config (as `Engine.reconfigure`): unfinished requests restart from their prompt and the tokens
-        generated so far in the new cache; requests yet to arrive keep their arrival times. Returns the resolved config.
+        generated so far in the new cache; requests yet to arrive keep their arrival times. Step numbers go on, and
+        a `RunStarted` event ("reconfigure", the changed fields) starts a run segment. Returns the resolved config.
 
         Raises:
             ValueError / MemoryError: the new config cannot be applied (the old one stays in force).
@@ -240,61 +212,82 @@ class SimEngine:
         try:
             self._loop.finish_inflight()
             self._present = max(self._present, self._loop.now)
-            old = self.user_config
+            old, before = self.user_config, self.config
             carry = self.core.take_unfinished()
             try:
                 self._install(config, carry)
             except BaseException:
                 self._install(old, carry)
                 raise
+            mark_reconfigure(self.recorder, before, self.config)  # as `LoopState.rebuild`: before the turn's flush
+            self.recorder.flush()
         finally:
             self._lock.release()
-        self.runs.record_reconfigure(old, self.user_config, engine=self.engine_name)
+        self._reconfigured(old)
         return self.config
 
-    cache = property(lambda self: self._loop.cache, doc="The `CacheManager` (block bookkeeping).")
-    core = property(lambda self: self._loop.core, doc="The `EngineCore` (requests, scheduler, offload policy).")
-    events = property(lambda self: self.recorder.events, doc="The `EventLog` of typed telemetry events.")
     now = property(lambda self: self._loop.now, doc="The virtual clock (simulated seconds).")
+    steps = property(lambda self: self._loop.steps, doc="Every executed step, in order.")
 
     @property
     def present(self) -> float:
         """The caller's instant (simulated seconds): where `run_until(t)` left it (``t``, while the step that started
         before ``t`` may end after it), else the clock. A submission without `arrival_s` arrives then."""
         return self._playback.paced_now() if self._playback is not None else self._present
-    steps = property(lambda self: self._loop.steps, doc="Every executed step, in order.")
+
+    def _swap_bytes(self) -> int:
+        return self.swap_sectors * self.layout.bytes_per_sector
 
     # ------------------------------------------------------------------------------------------ requests
     def encode(self, prompt: Any, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt (token ids only: a SimEngine has no tokenizer; see `cbnb.prompts`)."""
         return prompt_ids(prompt, tokenizer=None, vocab_size=self.vocab_size, chat=chat)
 
-    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               request_id: str | None = None, *, ignore_eos: bool = True, chat: bool | None = None,
+               request_id: str | None = None, *, ignore_eos: bool | None = None, chat: bool | None = None,
+               source: str | None = None, min_p: float | None = None, min_new_tokens: int | None = None,
+               min_length: int | None = None, repetition_penalty: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
+               sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
+               suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
+               forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None, response_format: dict | None = None, json_schema: Any = None,
                arrival_s: float | None = None) -> SimHandle:
-        """Queue one request (thread-safe), as `Engine.submit`, arriving at `arrival_s` simulated seconds.
+        """Queue one request (thread-safe) with the keywords of `Engine.submit`, arriving at `arrival_s`.
 
         Args:
             prompt: token ids (a list/tuple, a 1-D array or tensor, a tokenizer output of one row).
             max_new_tokens: tokens to generate (exactly: EOS never ends a simulated request); None: up to the
                 model's max positions.
-            do_sample, temperature, top_k, top_p, seed, eos_token_id, ignore_eos, chat: validated as
-                `Engine.submit` does; they do not change the simulation.
+            do_sample, temperature, top_k, top_p, min_p, seed, eos_token_id, ignore_eos, chat and the logits
+                processors' arguments: validated as `Engine.submit` does (token ids against the shape's vocabulary);
+                they do not change the simulation (sampling is costed as greedy, EOS is ignored).
+            source: who sent it (as `Engine.submit`).
+            logprobs, prompt_logprobs, stop: refused when set (a simulation has no logits and no text).
+            response_format, json_schema: accepted and ignored (a constrained request costs as an unconstrained
+                one here: the grammar's host time is not modelled); the tokens are placeholders either way.
             request_id: a unique id (default "sim-N").
             arrival_s: when the request reaches the engine (simulated seconds, >= the previous submission's arrival
                 and >= `present`); None: at `present`.
 
         Raises:
             TypeError / ValueError: as `Engine.submit` (the message names the field); `arrival_s` out of order,
-                before the clock, or not a finite number.
-            RuntimeError: the playback thread died (see `error`).
+                before the clock, or not a finite number; a keyword a simulation cannot honour.
+            RuntimeError: the simulation died (see `error`).
         """
+        args = {k: v for k, v in locals().items() if k in REQUEST_ARGS and v is not None}  # None: the default
+        asked = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "stop": stop}
+        for k, v in asked.items():
+            if v is not None:
+                raise ValueError(f"{k}: a SimEngine cannot honour it (it simulates no logits and no text); got {v!r}")
         ids = self.encode(prompt, chat)
-        args = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                    top_p=top_p, seed=seed, ignore_eos=True)
-        sp, cap = sampling_params(len(ids), args, eos_token_id=eos_token_id, max_positions=self.max_positions)
+        args["ignore_eos"] = True
+        sp, cap = sampling_params(len(ids), args, eos_token_id=eos_token_id, vocab_size=self.vocab_size,
+                                  max_positions=self.max_positions)
         with self._lock:
             if self._state == "dead":
                 raise RuntimeError(f"the simulation died: {self.error!r}")
@@ -302,7 +295,8 @@ class SimEngine:
             rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
             if rid in self._ended:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            req = Request(rid, ids, sp, max_new_tokens_cap=cap, now=t)
+            req = Request(rid, ids, sp, max_new_tokens_cap=cap, now=t, source=source)
+            req.prompt_text = prompt_preview(prompt)
             handle = SimHandle(req, self)
             self._handles.add(handle, self.config.max_queue_size)
             self._order.append(rid)
@@ -315,8 +309,13 @@ class SimEngine:
             pb.wake.set()
         return handle
 
+    #: The `submit` keywords a simulation honours (`cbnb.engine_like`): all but those needing logits or text.
+    submit_keywords = frozenset(REQUEST_ARGS + ("prompt", "eos_token_id", "request_id", "chat", "source",
+                                                "arrival_s")) - frozenset(_NEEDS_A_MODEL)
+    # response_format / json_schema are accepted but not listed: the server refuses them for a simulation.
+
     def _arrival(self, arrival_s: float | None) -> float:
-        now = self._playback.paced_now() if self._playback is not None else self._present
+        now = self.present
         if arrival_s is None:
             return now
         if isinstance(arrival_s, bool) or not isinstance(arrival_s, (int, float)) or not (
@@ -330,22 +329,6 @@ class SimEngine:
             raise ValueError(f"arrival_s={t!r} lies in the past: the simulation is already at t={now!r} s")
         return t
 
-    def generate(self, prompts: Iterable[Any], max_new_tokens: int | Sequence[int] | None = None, *,
-                 timeout: float | None = None, **sampling: Any) -> list[RequestOutput]:
-        """Submit every prompt and wait (caller-driven: run the simulation) until they all ended: one
-        `RequestOutput` per prompt, in input order. `max_new_tokens` may also be one value per prompt.
-
-        Raises:
-            TypeError / ValueError: as `Engine.generate`; TimeoutError: with a playback thread, when `timeout`
-                wall seconds pass first.
-        """
-        items = split_batch(prompts)
-        ns = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(items)
-        if len(ns) != len(items):
-            raise ValueError(f"max_new_tokens has {len(ns)} entries for {len(items)} prompts")
-        handles = [self.submit(p, n, **sampling) for p, n in zip(items, ns)]
-        return [h.result(timeout) for h in handles]
-
     def outputs(self) -> list[RequestOutput]:
         """Terminal outputs of every request submitted so far that has ended, in submission order."""
         with self._lock:
@@ -353,21 +336,21 @@ class SimEngine:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state, including one yet to arrive (it ends CANCELLED, blocks freed at once).
-        False when unknown or already ended."""
+        A request that has arrived but was not admitted yet is admitted first (with those due before it), as the
+        threaded engine admits what reached its inbox. False when unknown or already ended."""
+        loop = self._loop
         with self._lock:
+            t = loop.arrival_of(request_id)
+            if t is not None and t <= loop.now and not loop.inflight:
+                loop.admit_due()
             if self.core.cancel(request_id) is not None:
                 self.recorder.flush()
                 return True
-            req = self._loop.remove_arrival(request_id)
+            req = loop.remove_arrival(request_id)
             if req is None:
                 return False
             self._end_unadmitted(req, RequestState.CANCELLED, "cancelled")
             return True
-
-    def cancel_all(self) -> int:
-        """Cancel every unfinished request (as `cancel`). Returns how many."""
-        with self._lock:
-            return sum(1 for rid in self._handles.live_ids() if self.cancel(rid))
 
     def _end_unadmitted(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         req.error = error
@@ -382,218 +365,8 @@ class SimEngine:
     def _on_terminal(self, req: Request) -> None:
         self.recorder.request_done(req)
         self._ended[req.request_id] = req
-        self._recent.append(req)
+        self._loop.recent.append(req)
         self._handles.finish(req)
-
-    # ------------------------------------------------------------------------------------------ caller-driven
-    def _check_caller_driven(self) -> None:
-        if self._playback is not None:
-            raise RuntimeError("the simulation runs on its playback thread: call stop() before run()/run_until()")
-        if self._state == "dead":
-            raise RuntimeError(f"the simulation died: {self.error!r}")
-
-    def _drive(self, until: Callable[[], bool], horizon: float | None = None, max_steps: int | None = None) -> None:
-        """Run turns (caller's thread) until `until()`, the clock reaches `horizon`, or `max_steps` steps ran."""
-        self._check_caller_driven()
-        w0 = time.perf_counter()
-        try:
-            with relaxed_gc():
-                self._turns(until, horizon, max_steps)
-        except SimulationStuck as e:
-            self._die(e)
-            raise
-        finally:
-            self.wall_s += time.perf_counter() - w0
-            self._present = max(self._present, self._loop.now if horizon is None else horizon)
-
-    def _turns(self, until: Callable[[], bool], horizon: float | None, max_steps: int | None) -> None:
-        loop = self._loop
-        first = loop.steps_run
-        while not until():
-            if max_steps is not None and loop.steps_run - first >= max_steps:
-                return
-            if horizon is not None and loop.now >= horizon:
-                return
-            with self._lock:
-                if loop.turn():
-                    continue
-                nxt = loop.next_arrival_s  # idle: nothing can run before the next arrival
-                if nxt is None:
-                    if horizon is not None:
-                        loop.idle_until(horizon)
-                    return
-                loop.idle_until(nxt if horizon is None else min(nxt, horizon))
-
-    def _drive_until(self, done: Callable[[], bool]) -> None:
-        if self._playback is None and self._state != "dead":
-            self._drive(done)
-
-    def run(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Run until every submitted request has ended, arrivals included (or `max_steps` more steps ran).
-        Returns `stats()`.
-
-        Raises:
-            SimulationStuck: a step scheduled nothing while requests wait and nothing is in flight.
-            RuntimeError: while the playback thread runs.
-        """
-        loop = self._loop
-        self._drive(lambda: not loop.busy, max_steps=max_steps)
-        with self._lock:
-            loop.finish_inflight()
-            self._present = max(self._present, loop.now)
-        return self.stats()
-
-    def run_until(self, t: float) -> dict[str, Any]:
-        """Run until the virtual clock reaches `t` simulated seconds: every step that starts before `t` runs (the
-        last may end after it); idle time passes up to `t`. A step in flight (async batching) stays in flight, so
-        running in pieces makes the same decisions as one `run()`. Returns `stats()`.
-
-        Raises:
-            ValueError: `t` is not a finite number.
-        """
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not abs(t) < float("inf"):
-            raise ValueError(f"t must be a finite number of simulated seconds; got {t!r}")
-        self._drive(lambda: False, horizon=float(t))
-        return self.stats()
-
-    # ------------------------------------------------------------------------------------------ playback thread
-    @property
-    def state(self) -> str:
-        """"created" (never started), "running" (playback thread), "stopped" (requests kept: `run()` or `start()`
-        go on), or "dead" (see `error`)."""
-        return self._state
-
-    @property
-    def running(self) -> bool:
-        return self._state == "running"
-
-    @property
-    def speed(self) -> float | None:
-        """Simulated seconds per wall second of the playback thread (None: as fast as possible). Settable."""
-        return self._playback.speed if self._playback is not None else None
-
-    @speed.setter
-    def speed(self, speed: float | None) -> None:
-        speed = check_speed(speed)
-        if self._playback is not None:
-            self._playback.set_speed(speed)
-
-    def start(self, speed: float | None = None) -> "SimEngine":
-        """Run on a playback thread: as fast as possible (None), or at `speed` x simulated time. No-op (except
-        for the speed) when running.
-
-        Raises:
-            ValueError: a `speed` that is not None or a number > 0. RuntimeError: the simulation died.
-        """
-        speed = check_speed(speed)
-        with self._lock:
-            if self._state == "dead":
-                raise RuntimeError(f"the simulation died: {self.error!r}")
-            if self._playback is not None:
-                self._playback.set_speed(speed)
-                return self
-            self._playback = Playback(self, speed)
-            self._state = "running"
-            self._playback.start()
-        return self
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the playback thread after its current turn. Unfinished requests are kept (`run()` or `start()`
-        continue the simulation)."""
-        pb = self._playback
-        if pb is None:
-            return
-        pb.stop(timeout)
-        with self._lock:
-            self._playback = None
-            self._present = max(self._present, self._loop.now)
-            if self._state == "running":
-                self._state = "stopped"
-
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until the playback thread has nothing left to do (every submitted request ended). False on timeout.
-        Without a playback thread: run the simulation (`run()`) and return True."""
-        pb = self._playback
-        if pb is None:
-            self.run()
-            return True
-        return pb.idle.wait(check_timeout(timeout))
-
-    def _die(self, error: BaseException) -> None:
-        """The simulation cannot go on: every unfinished request ends FAILED with the reason."""
-        with self._lock:
-            self.error = error
-            self._state = "dead"
-            reason = f"simulation died: {type(error).__name__}: {error}"
-            if self.core is not None:
-                self.core.fail_all(reason)
-            for req in self._loop.take_arrivals():
-                self._end_unadmitted(req, RequestState.FAILED, "error", reason)
-            self.recorder.flush()
-
-    def __enter__(self) -> "SimEngine":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    # ------------------------------------------------------------------------------------------ read API
-    def stats(self) -> dict[str, Any]:
-        """As `Engine.stats()`: {"run": `RunStats.summary()` since `reset_stats()`, "cumulative": ...,
-        "memory_bytes": `memory_split()`}, in simulated seconds."""
-        with self._lock:
-            out = self.recorder.summary()
-            out["memory_bytes"] = self.memory_split()
-        return out
-
-    def sim_stats(self) -> dict[str, Any]:
-        """The simulation itself: simulated seconds, steps, host seconds spent (and of those in the scheduler)."""
-        loop = self._loop
-        return {"sim_time_s": loop.now, "steps": len(loop.steps), "wall_s": self.wall_s,
-                "schedule_wall_s": loop.schedule_wall_s, "async_batching": self.async_batching,
-                "num_blocks": self.config.num_blocks, "profile": self.profile.name, "shape": self.shape.name,
-                "arrivals_pending": loop.num_arrivals}
-
-    def reset_stats(self, label: str = "", *, cause: str = "reset_stats", marker: bool = True) -> None:
-        """Start a new run for `stats()["run"]` (the cumulative figures keep counting), as `Engine.reset_stats`.
-
-        Args:
-            label: what the new run is (shown by the live plots at the run's marker).
-            cause: the marker's cause ("reset_stats", "workload", "reconfigure").
-            marker: record a `RunStarted` event (the plots start a new segment there).
-        """
-        with self._lock:
-            self.recorder.reset_run()
-        if marker:
-            self.recorder.mark_run(cause, label)
-
-    def memory_split(self) -> dict[str, int]:
-        """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool (as `Engine.memory_split`)."""
-        split = self.memory.split()
-        split["swap_pool"] = self.swap_sectors * self.layout.bytes_per_sector
-        return split
-
-    def snapshot(self) -> KVSnapshot:
-        """The KV page map now (see `cbnb.cache.snapshot`)."""
-        with self._lock:
-            return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
-
-    def explain(self, request_id: Any) -> Any:
-        """A request's story from the event log, as `Engine.explain` (`cbnb.explain.explain_request`).
-
-        Raises:
-            KeyError: no event of `request_id` is in the log.
-            TypeError: `request_id` is neither an id nor a handle/output (a handle is taken as its id).
-        """
-        from ..explain import explain_engine_request
-
-        return explain_engine_request(self, request_id)
-
-    def requests_snapshot(self) -> list[RequestOutput]:
-        """Live requests (arrival order) followed by the most recently ended ones (up to 256), as `Engine`'s."""
-        with self._lock:
-            live = sorted(self.core.requests.values(), key=lambda r: r.arrival)
-            return [r.output() for r in live] + [r.output() for r in self._recent]
 
     def __repr__(self) -> str:
         c = self.config

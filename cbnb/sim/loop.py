@@ -4,8 +4,8 @@ A turn is what `cbnb.phases.LoopState` does in one turn of `cbnb.loop.sync_loop`
 order and through the same `cbnb.telemetry.Recorder` calls, with the runner replaced by the `CostModel`:
 
 - **admit**: the requests whose arrival time has come (at most `MAX_SUBMISSIONS_PER_TURN` per turn, as the inbox
-  hands them to the engine loop) go through `Recorder.admit` → `EngineCore.add`;
-- **plan**: `Recorder.plan` (`EngineCore.schedule()` and its StepPlanned record);
+  hands them to the engine loop) go to `EngineCore.add`;
+- **plan**: `EngineCore.schedule()` (the recorder, the core's observer, records its StepPlanned);
 - **execute**: the step's predicted cost advances the clock (``now += cost.total_s``) instead of a forward;
 - **apply**: `EngineCore.apply` with the token `SIM_TOKEN` for every sampled row, the tokens to the handles,
   `Recorder.step_done`, then the turn's events to the log (`Recorder.flush`).
@@ -15,29 +15,32 @@ applied, admissions happen only with no step in flight (a due arrival first coll
 engine's loop finishes its step when the inbox has messages), and two resources share the virtual timeline: the host
 (planning, packing, applying: ``cost.host_s``) and the device (launched steps, in order: ``cost.device_s``).
 
-Step timings reported to the recorder (`StepTiming`, ``stats()["run"]["time_by_phase_s"]``) are the predicted parts
-in simulated seconds: ``prepare`` = the profile's per-step host overhead (scheduling, packing and update
-included), ``forward`` = launches and the operator groups, ``sample`` = sampling, ``offload_copy`` = swap copies;
-``schedule`` and ``update`` are 0 (they are inside ``prepare``).
+The step's tokens and predicted times come from the executor (`cbnb.sim.executor.SimExecutor`, the cost model in the
+runner's place); the clock is virtual (`now`, simulated seconds).
+
+**Step mode** (`cbnb.step_mode`): `one_step()` runs exactly one planning turn and applies its step, also with async
+batching (a step in flight is applied before the loop holds, as the engine's loop does while `gated`). While
+`paused`, the engine (`cbnb.sim.SimEngine`) runs no other turn.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..handle import HandleTable
 from ..inbox import MAX_SUBMISSIONS_PER_TURN
-from ..plan import StepResult, StepWork
+from ..plan import StepWork
 from ..requests import Request
 from ..telemetry import Recorder
-from .cost import CostModel, StepCost, StepLoad
+from .cost import StepCost
+from .executor import SIM_TOKEN, SimExecutor
 
 __all__ = ["VirtualLoop", "SimStep", "SIM_TOKEN", "SimulationStuck"]
-
-#: The token id every simulated sample produces (requests ignore EOS, so its value never ends a request).
-SIM_TOKEN = 42
 
 
 class SimulationStuck(RuntimeError):
@@ -63,7 +66,10 @@ class VirtualLoop:
 
     Attributes:
         now: the virtual clock (seconds).
-        core, cache, layout, cost, async_batching: the parts in use (set by `install`).
+        lock: held by every turn and by the engine's API calls that change state (`cbnb.shell.EngineShell`).
+        handles: the live request handles (`HandleTable`).
+        paused, step_rate: the step mode (`cbnb.step_mode`).
+        core, cache, layout, executor, async_batching: the parts in use (set by `install`).
         steps: every executed step (`SimStep`), in order of application.
         schedule_wall_s: host seconds spent in `EngineCore.schedule()` (the simulator's own cost).
     """
@@ -72,10 +78,16 @@ class VirtualLoop:
         self.recorder = recorder
         self.deliver = deliver
         self.now = 0.0
+        self.lock = threading.RLock()
+        self.handles = HandleTable()
+        self.recent: deque[Request] = deque(maxlen=256)  # the most recently ended requests
+        self.paused = False
+        self.step_rate: float | None = None
+        self.last_planned: int | None = None  # the step id of the last `StepPlanned` (a single step's answer)
         self.core: Any = None
         self.cache: Any = None
         self.layout: Any = None
-        self.cost: CostModel | None = None
+        self.executor: SimExecutor | None = None
         self.async_batching = False
         self.steps: list[SimStep] = []
         self.steps_run = 0  # steps executed (launched, with async batching)
@@ -86,9 +98,15 @@ class VirtualLoop:
         self._device_free = 0.0
         self._last_end = 0.0
 
-    def install(self, core: Any, cache: Any, layout: Any, cost: CostModel, async_batching: bool) -> None:
-        self.core, self.cache, self.layout, self.cost, self.async_batching = core, cache, layout, cost, async_batching
+    def install(self, core: Any, cache: Any, layout: Any, executor: SimExecutor, async_batching: bool) -> None:
+        self.core, self.cache, self.layout, self.executor = core, cache, layout, executor
+        self.async_batching = async_batching
         self.recorder.attach(core, cache)
+
+    @property
+    def cost(self) -> Any:
+        """The `CostModel` in use."""
+        return self.executor.cost
 
     # ------------------------------------------------------------------------------------------ arrivals
     def add_arrival(self, req: Request, arrival_s: float) -> None:
@@ -122,11 +140,20 @@ class VirtualLoop:
     def _due(self) -> bool:
         return bool(self._arrivals) and self._arrivals[0][0] <= self.now
 
+    def arrival_of(self, request_id: str) -> float | None:
+        """When a queued request arrives (simulated seconds), None when it is not queued."""
+        return next((t for t, _, r in self._arrivals if r.request_id == request_id), None)
+
+    def admit_due(self) -> None:
+        """Admit the requests whose arrival time has come (what a paused loop still does)."""
+        self._admit_due()
+        self.recorder.flush()
+
     def _admit_due(self) -> None:
-        arr, rec, core = self._arrivals, self.recorder, self.core
+        arr, core = self._arrivals, self.core
         n = 0
         while arr and arr[0][0] <= self.now and n < MAX_SUBMISSIONS_PER_TURN:
-            rec.admit(core, heapq.heappop(arr)[2])
+            core.add(heapq.heappop(arr)[2])
             n += 1
 
     # ------------------------------------------------------------------------------------------ turns
@@ -155,6 +182,19 @@ class VirtualLoop:
         if t > self.now:
             self.now = t
 
+    def one_step(self) -> int | None:
+        """Exactly one planning turn, its step applied (the step mode's `step()`). With nothing due and nothing to
+        run, the clock first moves to the next arrival. Returns the planned step's id, None when nothing waited."""
+        self.finish_inflight()
+        if not self.core.has_work and not self._due() and self._arrivals:
+            self.idle_until(self._arrivals[0][0])
+        self.last_planned = None
+        try:
+            self.turn()
+        finally:
+            self.finish_inflight()
+        return self.last_planned
+
     def finish_inflight(self) -> None:
         """Collect and apply the step in flight (async batching), if any."""
         if self._inflight is not None:
@@ -162,7 +202,9 @@ class VirtualLoop:
         self.recorder.flush()
 
     def _plan(self) -> tuple[StepWork, float]:
-        work, t0 = self.recorder.plan(self.core)
+        work = self.core.schedule()  # the recorder hears the plan as the core's observer
+        t0 = work.t0
+        self.last_planned = work.step_id
         self.schedule_wall_s += work.schedule_s
         work.schedule_s = 0.0  # host seconds of this process; the simulated scheduling is in the step's host part
         return work, t0
@@ -181,7 +223,7 @@ class VirtualLoop:
             if work.failed or work.offloads:
                 return True  # progress without a forward (the engine's loop turns over the same way)
             raise self._stuck(work)
-        cost = self.cost.step(StepLoad.from_work(work, self.layout))
+        cost = self.executor.price(work)
         self.steps_run += 1
         self.now = t0 + cost.total_s
         self._apply(work, cost, t0)
@@ -205,7 +247,7 @@ class VirtualLoop:
                 raise self._stuck(work)
             self._collect()  # what blocks scheduling may be the step in flight: apply it, retry
             return True
-        cost = self.cost.step(StepLoad.from_work(work, self.layout))
+        cost = self.executor.price(work)
         self.steps_run += 1
         launched = t0 + cost.host_s
         device_end = max(launched, self._device_free) + cost.device_s
@@ -223,18 +265,13 @@ class VirtualLoop:
         self._apply(work, cost, t0)
 
     def _apply(self, work: StepWork, cost: StepCost, t0: float) -> None:
-        tokens = {s.request_id: SIM_TOKEN for s in work.plan.scheduled if s.samples}
+        result = self.executor.result(work, cost)
         now = self.now
         deliver = self.deliver
-        for req in self.core.apply(work, tokens):
+        for req in self.core.apply(work, result.tokens):
             if not req.is_terminal:
                 deliver(req, req.output_ids[-1:])
-        parts = cost.parts
-        timings = {"offload_copy": parts.get("swap", 0.0), "prepare": cost.host_s,
-                   "forward": cost.total_s - cost.host_s - parts.get("sample", 0.0) - parts.get("swap", 0.0),
-                   "sample": parts.get("sample", 0.0)}
-        backend = f"sim-{self.cost.profile.runner}-{'graph' if cost.graph else 'eager'}"
         start = max(t0, self._last_end)
-        self.recorder.step_done(work, StepResult(tokens, timings, backend=backend), start, now, now)
+        self.recorder.step_done(work, result, start, now, now)
         self._last_end = now
         self.steps.append(SimStep(work.step_id, start, now, cost))

@@ -11,7 +11,9 @@ they land between the real engine's loop turns. Pacing:
   where it is (no burst to catch up).
 
 With no request left and none to come, the thread waits for a submission; the virtual clock does not advance while
-it waits.
+it waits. The step mode (`cbnb.step_mode`): while paused the thread applies its step in flight, admits the arrivals
+that are due and waits (`parked` is set; the clock stands still); `SimEngine.step()` runs one step on the caller's
+thread meanwhile. With a step rate, the thread waits 1/rate wall seconds after each turn that ran (slow motion).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Playback:
         self.stop_flag = threading.Event()
         self.wake = threading.Event()
         self.idle = threading.Event()  # set while nothing is left to do
+        self.parked = threading.Event()  # set while the step mode holds the thread
         self.waiting_for: float | None = None  # the arrival (simulated s) an idle wait is pacing towards
         self._anchor = (time.monotonic(), 0.0)
         self.thread = threading.Thread(target=self._run, name="cbnb-sim", daemon=True)
@@ -86,6 +89,10 @@ class Playback:
         sim, loop = self.sim, self.sim._loop
         try:
             while not self.stop_flag.is_set():
+                if loop.paused:
+                    self._park()
+                    continue
+                self.parked.clear()
                 with sim._lock:
                     ran = loop.turn()
                     nxt = None if ran else loop.next_arrival_s
@@ -93,6 +100,10 @@ class Playback:
                         self.idle.set()
                 if ran:
                     self._pace(loop.now)
+                    if loop.step_rate:
+                        self.wake.wait(1.0 / loop.step_rate)
+                        self.wake.clear()
+                        self._anchor = (time.monotonic(), loop.now)  # slow motion is not simulated time
                 elif nxt is None:
                     self.wake.wait(IDLE_WAIT_S)
                     self.wake.clear()
@@ -106,6 +117,19 @@ class Playback:
             sim._die(e)
         finally:
             self.idle.set()
+
+    def _park(self) -> None:
+        """Hold for the step mode: the last step applied, arrivals due admitted, then wait for a change."""
+        loop = self.sim._loop
+        with self.sim._lock:
+            if not loop.paused:
+                return
+            loop.finish_inflight()
+            loop.admit_due()
+        self.parked.set()
+        self.wake.wait(IDLE_WAIT_S)
+        self.wake.clear()
+        self._anchor = (time.monotonic(), loop.now)  # held wall time is not simulated time
 
     def _pace(self, now: float) -> None:
         if self.speed is None:

@@ -25,7 +25,8 @@ from typing import Any, Mapping
 
 from .shapes import normalize_dtype
 
-__all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_dir", "profile_for_device"]
+__all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_dir", "profile_for_device", "TRUST_TEXT",
+           "VALIDATION"]
 
 _DATA = pathlib.Path(__file__).resolve().parent / "data" / "profiles"
 PROFILE_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in _DATA.glob("*.json"))) + ("cpu",)
@@ -80,11 +81,22 @@ class HardwareProfile:
             rate falls once a step's activations outgrow the L2 cache); used instead of `elementwise_bandwidth`.
         gather_bandwidth: effective rate (bytes the cost model counts per second) of the CPU runner's batched decode
             attention, which gathers the pages of decode rows whose keys span several pages; None: the roofline.
+        decode_kernel_bandwidth: effective rate (bytes the cost model counts per second: each decode row's K/V, query,
+            output and new K/V, `cbnb.sim.cost.decode_kernel_bytes`) of the CPU runner's compiled paged-decode kernel
+            (`cbnb.runner.cpu_kernels`, float32 only), which computes every decode row of a layer in one call reading
+            the pages in place; None: the kernel is not modelled (the runner's torch path: per-row calls and the
+            page gather).
         reserved_bytes: device memory the engine cannot use (CUDA context, allocator); subtracted before sizing.
         host_memory_bytes: host RAM available for the swap pool (None: unlimited).
         allow_tf32: float32 GEMMs use the "tf32" rate (PyTorch's default is off).
         sources: citation per figure (URL, or how it was measured / assumed).
         notes: free text (e.g. the shape a measured profile was calibrated at).
+        provenance: where the figures come from and how far to trust them (`trust()` fills the default): ``kind``
+            "datasheet" (vendors' figures, assumed efficiencies and overheads: unverified), "custom" (made by hand),
+            "calibrated" (measured
+            on this machine by `cbnb.sim.calibrate`) or "fitted" (`cbnb.sim.fit_vllm.fit_profile`: efficiencies and
+            step cost fitted to N ``vllm bench serve`` runs), with ``runs``, ``error_pct`` (the error on the runs
+            it was fitted on / validated against), ``loo_error_pct`` (leave-one-out) and free ``details``.
     """
 
     name: str
@@ -108,11 +120,35 @@ class HardwareProfile:
     elementwise_bandwidth: float | None = None
     elementwise_curve: Mapping[str, list] | None = None
     gather_bandwidth: float | None = None
+    decode_kernel_bandwidth: float | None = None
     reserved_bytes: int = 0
     host_memory_bytes: int | None = None
     allow_tf32: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+    def trust(self) -> dict[str, Any]:
+        """The profile's provenance (see the attribute), with the default when none was recorded: a GPU profile is
+        "datasheet" (no error known), a profile `cbnb.sim.calibrate` measured (its sources say so) "calibrated"
+        with the errors of the last published ``python -m cbnb.sim.validate`` (`VALIDATION`), any other (made by
+        hand) "custom" (no error known). Keys: kind, runs, error_pct, loo_error_pct, what (a
+        sentence saying what the prediction can be trusted for), details."""
+        prov = dict(self.provenance or {})
+        measured = any(str(v).startswith("measured by cbnb.sim.calibrate") for v in dict(self.sources).values())
+        kind = prov.get("kind") or ("calibrated" if measured else "datasheet" if self.kind == "gpu" else "custom")
+        if kind not in TRUST_TEXT:
+            raise ValueError(f"HardwareProfile.provenance['kind'] must be one of {', '.join(TRUST_TEXT)}; got {kind!r}")
+        out: dict[str, Any] = {"kind": kind, "runs": prov.get("runs"), "error_pct": prov.get("error_pct"),
+                               "loo_error_pct": prov.get("loo_error_pct"), "details": prov.get("details", {})}
+        if kind == "calibrated" and out["error_pct"] is None:
+            out["error_pct"] = VALIDATION["wall_error_pct_max"]
+            out["details"] = {**VALIDATION, **out["details"]}
+        out["what"] = TRUST_TEXT[kind]
+        if (out["details"] or {}).get("busy"):
+            out["what"] += ("; MEASURED ON A BUSY MACHINE (load average "
+                            f"{out['details'].get('load_average_before')}): recalibrate when it is idle")
+        return out
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -127,9 +163,10 @@ class HardwareProfile:
                   "reserved_bytes"):
             _positive(f, getattr(self, f), zero_ok=True)
         for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "gather_bandwidth",
-                  "host_memory_bytes"):
+                  "decode_kernel_bandwidth", "host_memory_bytes"):
             if getattr(self, f) is not None:
-                _positive(f, getattr(self, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth"))
+                _positive(f, getattr(self, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth",
+                                                                 "decode_kernel_bandwidth"))
         for f in ("flops_efficiency", "bandwidth_efficiency"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
@@ -257,6 +294,30 @@ class HardwareProfile:
     def replace(self, **changes: Any) -> "HardwareProfile":
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
+
+
+#: What each kind of profile's predictions can be trusted for (printed with every simulated run's provenance).
+TRUST_TEXT = {
+    "datasheet": ("datasheet figures with assumed efficiencies and overheads, never checked on the device: good for "
+                  "what changes with the config (which option fits more requests, where the cache runs out, the "
+                  "shape of a curve), not for absolute latencies; differences of a few percent mean nothing"),
+    "calibrated": ("measured on this CPU by calibrate(): absolute step times within the validation errors (the "
+                   "last validate run's figures) on a quiet machine, for cbnb's own engine here"),
+    "custom": "a profile made by hand: its figures are what was typed in, with no check against a device",
+    "fitted": ("efficiencies and step cost fitted to your vLLM benchmark runs: absolute throughput and latency "
+               "within the fit's leave-one-out error for traffic like the runs it was fitted on; extrapolating "
+               "to much longer prompts, other models or other GPUs is not covered"),
+}
+
+#: The last published ``python -m cbnb.sim.validate`` (README, run of 2026-12-01, ``--threads 1``, the 2-core
+#: development machine): per-workload median |per-step error| and signed wall-time error, percent. A calibrated
+#: CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error|.
+VALIDATION: dict[str, Any] = {
+    "source": "python -m cbnb.sim.validate --threads 1, 2026-12-01, 2-core development machine (README)",
+    "step_error_pct_p50": {"cpu-32": 19.7, "long-gen": 11.1, "shared-prefix": 41.9, "cpu-poisson": 6.4},
+    "wall_error_pct": {"cpu-32": -12.5, "long-gen": -13.8, "shared-prefix": 40.8, "cpu-poisson": -0.6},
+    "wall_error_pct_max": 40.8,
+}
 
 
 def load_profile(source: Any) -> HardwareProfile:

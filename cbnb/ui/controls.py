@@ -72,11 +72,11 @@ class ControlsPanel(Panel):
 
     # ------------------------------------------------------------------------------------------ actions
     def _no_step_mode(self) -> bool:
-        """True (and says why) for an engine without the step mode: a `cbnb.sim.SimEngine` plays at its speed."""
+        """True (and says why) for an engine-like without the step mode (`cbnb.Engine` and `cbnb.sim.SimEngine` both
+        have it: `cbnb.step_mode`)."""
         if all(hasattr(self.engine, a) for a in ("pause", "step", "resume", "set_step_rate")):
             return False
-        self.show("This engine has no step mode: a simulation plays at its playback speed (sim.speed = x for x "
-                  "simulated seconds per second, None for as fast as possible).", "info")
+        self.show("This engine has no step mode (pause / step / resume); it runs at its own pace.", "info")
         return True
 
     def pause(self) -> None:

@@ -176,6 +176,11 @@ def request_rows(requests: Sequence[Any], max_finished: int = 64,
 LOGPROB_TOKENS = 32
 
 
+def _logprob_dicts(lps: Sequence[Any], start: int, texts: TextTracker) -> list[dict[str, Any]]:
+    return [{"t": texts.piece(lp.token_id), "i": start + k, "lp": round(lp.logprob, 4),
+             "top": [[texts.piece(t), round(v, 4)] for t, v in lp.top]} for k, lp in enumerate(lps)]
+
+
 def logprob_tokens(r: Any, texts: TextTracker, n: int = LOGPROB_TOKENS) -> list[dict[str, Any]]:
     """The newest `n` tokens of a request that asked for logprobs, for the stream panel's hover: dicts with t (the
     token's text), i (its index among the generated tokens), lp (its logprob, natural log) and top ([text,
@@ -184,8 +189,19 @@ def logprob_tokens(r: Any, texts: TextTracker, n: int = LOGPROB_TOKENS) -> list[
     if not lps:
         return []
     start = max(0, len(lps) - n)
-    return [{"t": texts.piece(lp.token_id), "i": start + k, "lp": round(lp.logprob, 4),
-             "top": [[texts.piece(t), round(v, 4)] for t, v in lp.top]} for k, lp in enumerate(lps[start:])]
+    return _logprob_dicts(lps[start:], start, texts)
+
+
+def prompt_logprob_tokens(r: Any, texts: TextTracker, n: int = LOGPROB_TOKENS) -> list[dict[str, Any]]:
+    """The last `n` prompt tokens of a request submitted with ``prompt_logprobs=k``, as `logprob_tokens` gives
+    them but with i the token's position in the prompt (from 1: the first token has no logprob). The last ones,
+    because that is where a likelihood task puts the continuation it scores. Empty without prompt logprobs."""
+    lps = getattr(r, "prompt_logprobs", None)
+    if not lps:
+        return []
+    first = 1 if lps[0] is None else 0  # a RequestOutput's list starts with None for position 0
+    start = max(first, len(lps) - n)
+    return _logprob_dicts(lps[start:], start + (1 - first), texts)
 
 
 def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int = 12) -> list[dict[str, Any]]:
@@ -194,7 +210,8 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
     Returns:
         dicts with id, state, text, n (tokens out), max (max_new_tokens or None), error, reason (finish reason),
         prompt (the prompt's first words, `prompt_label`),
-        lp (`logprob_tokens`: the newest tokens with their logprobs, for requests that asked for them).
+        lp (`logprob_tokens`: the newest tokens with their logprobs, for requests that asked for them),
+        plp (`prompt_logprob_tokens`: the prompt's last tokens with theirs, for requests that asked for them).
     """
     shown, _ = _ordered(requests, max_finished)
     items = []
@@ -203,7 +220,8 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
         final = r.text if state in TERMINAL_STATES and r.text else None
         items.append({"id": r.request_id, "state": state, "text": texts.text(r.request_id, r.token_ids, final),
                       "n": len(r.token_ids), "max": r.max_new_tokens, "error": r.error or "",
-                      "reason": r.finish_reason or "", "prompt": texts.label(r), "lp": logprob_tokens(r, texts)})
+                      "reason": r.finish_reason or "", "prompt": texts.label(r), "lp": logprob_tokens(r, texts),
+                      "plp": prompt_logprob_tokens(r, texts)})
     texts.prune(r.request_id for r in requests)
     return items
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 
-from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab, skip_reason, wait_run_all_done
+from .lab import (ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO, TOKEN, Lab, settle, skip_reason, switch_theme,
+                  wait_run_all_done)
 
 NOTEBOOK = REPO / "examples" / "01_quickstart.ipynb"
 VIEWPORT = {"width": 1440, "height": 900}
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
-
-
 
 
 class Session:
@@ -49,12 +47,8 @@ class Session:
         """Switch JupyterLab's theme ("light" or "dark") and wait until the panels redrew in it."""
         if theme == self.theme:
             return
-        page = self.page
-        page.evaluate("(t) => window.jupyterapp.commands.execute('apputils:change-theme', {theme: t})", THEMES[theme])
-        want = "true" if theme == "light" else "false"
-        page.wait_for_function(f"() => document.body.dataset.jpThemeLight === '{want}'", timeout=30_000)
+        switch_theme(self.page, THEMES[theme])
         self.theme = theme
-        time.sleep(1.2)  # the panels redraw 150 ms after the switch; plots one chart at a time
 
     def shots(self, name: str, locator=None) -> None:
         """A 1440x900 screenshot in light and in dark (the named panel scrolled into view first)."""
@@ -62,11 +56,9 @@ class Session:
             self.set_theme(theme)
             if locator is not None:
                 self.page.locator(locator).first.scroll_into_view_if_needed()
-                time.sleep(0.3)
+                settle(self.page)
             self.shot(f"{name}-{theme}.png")
         self.set_theme("light")
-
-
 
 
 @pytest.fixture(scope="package")

@@ -167,11 +167,77 @@ def run_all(page) -> None:
 
 
 def wait_run_all_done(page, timeout_ms: int = 240_000) -> None:
-    """Wait until a Run All has finished: the kernel idle and every code cell numbered."""
+    """Wait until a Run All has finished: the kernel idle and every code cell numbered.
+
+    Raises:
+        AssertionError: a cell showed an error (at once: the cells after it would never be numbered).
+    """
     # Run All leaves the kernel briefly idle between cells: also require every code cell to show "[n]".
     page.wait_for_function("""() => {
+        if (document.querySelector('.jp-OutputArea [data-mime-type="application/vnd.jupyter.error"]'))
+            return true;
         const w = window.jupyterapp && jupyterapp.shell.currentWidget;
         if (!w || w.sessionContext.kernelDisplayStatus !== 'idle') return false;
         const prompts = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
         return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
     }""", timeout=timeout_ms)
+    err = page.evaluate("""() => { const e = document.querySelector(
+        '.jp-OutputArea [data-mime-type="application/vnd.jupyter.error"]'); return e ? e.textContent : null; }""")
+    assert err is None, f"a cell failed during Run All:\n{err[-3000:]}"
+
+
+def outputs_text(page) -> str:
+    """The text of every cell output of the open notebook (streams, markdown, HTML, plain text). textContent, not
+    innerText: JupyterLab skips the layout of cells off screen (content-visibility), and innerText is empty there."""
+    return page.evaluate("""() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+        .map(e => e.textContent).join('\\n')""")
+
+
+# The dashboard's charts on screen are drawn in the page's current theme (plotly's font colour is the theme's
+# --jp-ui-font-color1; a chart that came on screen is drawn once visible), and the panels' 150 ms debounce after a
+# theme switch (widgets/_common.js, cbnbOnTheme) has passed, so their canvases redrew too.
+_SETTLED = """() => {
+    if (performance.now() - (window.__cbnbThemeAt || 0) < 250) return false;
+    const fg = getComputedStyle(document.body).getPropertyValue('--jp-ui-font-color1').trim();
+    // Visible as the charts' IntersectionObserver sees it: inside the viewport and the scrolling notebook panel.
+    const onScreen = (e) => { const r = e.getBoundingClientRect();
+        let top = 0, bottom = innerHeight;
+        for (let a = e.parentElement; a; a = a.parentElement) {
+            if (/(auto|scroll|hidden)/.test(getComputedStyle(a).overflowY)) {
+                const q = a.getBoundingClientRect(); top = Math.max(top, q.top); bottom = Math.min(bottom, q.bottom); }
+        }
+        return r.width > 0 && r.height > 0 && r.bottom > top && r.top < bottom; };
+    return Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).filter(onScreen)
+        .every(g => g.layout && g.layout.font && String(g.layout.font.color).trim() === fg);
+}"""
+
+_LATE = """() => {
+    const fg = getComputedStyle(document.body).getPropertyValue('--jp-ui-font-color1').trim();
+    return {fg, since_theme_ms: performance.now() - (window.__cbnbThemeAt || 0),
+            charts: Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).map((g, i) => {
+                const r = g.getBoundingClientRect();
+                return {i, top: Math.round(r.top), h: Math.round(r.height), w: Math.round(r.width),
+                        color: g.layout && g.layout.font ? String(g.layout.font.color) : null}; })};
+}"""
+
+
+def settle(page, timeout_ms: int = 15_000) -> None:
+    """Before a screenshot: wait until the panels on screen have redrawn (theme switch, scroll, resize). The
+    screenshot is taken anyway when they have not by `timeout_ms` (a busy machine draws late: a worse picture, not a
+    failed test)."""
+    try:
+        page.wait_for_function(_SETTLED, timeout=timeout_ms, polling="raf")
+    except Exception:  # playwright's TimeoutError: screenshots are artifacts, not assertions; say what was late
+        late = page.evaluate(_LATE)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        with open(ARTIFACTS / "settle_timeouts.txt", "a") as f:
+            f.write(json.dumps({"t": time.strftime("%H:%M:%S"), "late": late}) + "\n")
+
+
+def switch_theme(page, theme_name: str) -> None:
+    """Switch JupyterLab's theme through its own command ("JupyterLab Light" / "JupyterLab Dark") and wait until the
+    page is in it and the panels have redrawn."""
+    page.evaluate("(t) => { window.__cbnbThemeAt = performance.now();"
+                  " return window.jupyterapp.commands.execute('apputils:change-theme', {theme: t}); }", theme_name)
+    page.wait_for_function("(t) => document.body.dataset.jpThemeName === t", arg=theme_name, timeout=30_000)
+    settle(page)

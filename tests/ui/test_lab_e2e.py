@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from .lab import ARTIFACTS
+from helpers_notebooks import missing
+
+from .lab import ARTIFACTS, outputs_text, settle, switch_theme
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -59,6 +61,8 @@ def test_panels_render(session):
     session.shots("01b-skip-chart-shares-the-step-axis", ".cbnb-plots")
     assert session.errors == [], session.errors
     session.shot("01-after-run-all.png", full_page=True)
+    # The suite's one full run of the quickstart (tests/test_notebooks.py runs it headless only without a browser).
+    assert missing("01_quickstart.ipynb", outputs_text(page)) == []
 
 
 def test_typed_prompt_streams(session):
@@ -194,35 +198,48 @@ def test_slider_apply_changes_engine_config(session):
 
 def test_stream_token_hover_shows_logprobs(session):
     """A request with logprobs streams token chips; hovering one shows its logprob and alternatives (light, then
-    dark theme)."""
+    dark theme); its prompt logprobs show in a strip of their own, with the prompt token's position."""
     page = session.page
     rid = ast.literal_eval(session.py(
-        "engine.submit('Name a colour.', max_new_tokens=12, logprobs=3).request_id"))
+        "engine.submit('Name a colour.', max_new_tokens=12, logprobs=3, prompt_logprobs=2).request_id"))
     item = f".cbnb-stream-item[data-id='{rid}']"
-    page.wait_for_selector(f"{item} .cbnb-lp-tok", timeout=60_000)
+    out_chips = f"{item} .cbnb-lp-strip:not(.cbnb-lp-prompt) .cbnb-lp-tok"  # the generated tokens' strip
+    page.wait_for_selector(out_chips, timeout=60_000)
     page.wait_for_selector(f"{item}[data-state=FINISHED]", timeout=120_000)
-    chip = page.locator(f"{item} .cbnb-lp-tok").nth(1)
+    chip = page.locator(out_chips).nth(1)
     chip.scroll_into_view_if_needed()
     page.set_viewport_size({"width": 1440, "height": 900})
     for theme, name in (("JupyterLab Light", "light"), ("JupyterLab Dark", "dark")):
-        page.evaluate(f"() => jupyterapp.commands.execute('apputils:change-theme', {{theme: '{theme}'}})")
-        page.wait_for_function(f"() => document.body.dataset.jpThemeName === '{theme}'", timeout=30_000)
-        page.wait_for_timeout(800)  # the theme's restyle settles before scrolling
+        switch_theme(page, theme)  # and the restyle settled before scrolling
         chip.evaluate("e => e.scrollIntoView({block: 'center'})")
-        page.wait_for_timeout(200)
+        settle(page)
         page.mouse.move(0, 0)
         chip.hover()
         page.wait_for_function("""() => { const t = document.querySelector('.cbnb-lp-tip');
-            return t && t.style.display !== 'none' && /token 1: .*logprob -?\\d/.test(t.textContent)
+            return t && t.style.display !== 'none' && /^token 1: .*logprob -?\\d/.test(t.textContent)
                    && /alternatives:/.test(t.textContent); }""", timeout=15_000)
         session.shot(f"06-logprob-hover-{name}.png")
-    page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    switch_theme(page, "JupyterLab Light")
     page.set_viewport_size({"width": 1440, "height": 900})  # the session's size, for the screenshots after this
     out = ast.literal_eval(session.py(
         f"[(lp.token_id, round(lp.logprob, 4)) for lp in [r for r in engine.requests_snapshot() "
         f"if r.request_id == '{rid}'][0].logprobs[1:2]]"))
     tip = page.locator(".cbnb-lp-tip").text_content()
     assert f"logprob {out[0][1]:.3f}" in tip
+    # The prompt's logprobs (prompt_logprobs=2) have their own strip: the last prompt token's chip tells its own.
+    pchip = page.locator(f"{item} .cbnb-lp-prompt .cbnb-lp-tok").last
+    pchip.scroll_into_view_if_needed()
+    page.mouse.move(0, 0)
+    pchip.hover()
+    page.wait_for_function("""() => { const t = document.querySelector('.cbnb-lp-tip');
+        return t && t.style.display !== 'none' && /^prompt token \\d+: /.test(t.textContent); }""", timeout=15_000)
+    last = ast.literal_eval(session.py(
+        f"[(len(o.prompt_token_ids) - 1, round(o.prompt_logprobs[-1].logprob, 4)) for o in engine.requests_snapshot() "
+        f"if o.request_id == '{rid}'][0]"))
+    tip = page.locator(".cbnb-lp-tip").text_content()
+    assert tip.startswith(f"prompt token {last[0]}: ") and f"logprob {last[1]:.3f}" in tip, (tip, last)
+    assert page.locator(f"{item} .cbnb-lp-prompt .cbnb-lp-tok").count() == min(int(last[0]), 32)
+    session.shot("06-prompt-logprob-hover-light.png")
     assert session.errors == [], session.errors
 
 
@@ -231,7 +248,11 @@ def test_reload_shows_current_plots(session):
     # Put something new on the plots after the apply (new run), and let it finish.
     session.py("[engine.submit('Say hi.', max_new_tokens=8) for _ in range(2)] and None")
     session.lab.kernel_eval({"v": "engine.generate(['Count to three.'], max_new_tokens=8) and None"}, timeout=120)
-    time.sleep(1.5)  # the poller's next ticks
+    ticks = int(session.py("dash.poller.ticks"))  # two poller ticks after the run ended: the plots have its steps
+    deadline = time.monotonic() + 60
+    while int(session.py("dash.poller.ticks")) < ticks + 2:
+        assert time.monotonic() < deadline, "the poller did not tick within 60 s"
+        time.sleep(0.1)
     py_steps = ast.literal_eval(session.py("[float(x) for x in dash.plots.series_arrays()['steps']['step']]"))
     assert py_steps, "no steps recorded in Python"
     # Save through the command (Ctrl+S is swallowed while a panel control that suppresses shortcuts has focus),

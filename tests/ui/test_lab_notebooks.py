@@ -3,6 +3,9 @@
 to, and both notebooks end with their dashboard live next to the conclusions (summary charts drawn on a
 transparent background, so they read in the dark theme).
 
+These are the suite's full runs of notebooks 03 and 04 (tests/test_notebooks.py runs them headless only where
+these cannot run): each also shows what tests/helpers_notebooks.py expects of its outputs.
+
 Screenshots: test-artifacts/ui/40-nb03-*, 41-nb04-* (1440x900, light and dark).
 """
 
@@ -14,7 +17,10 @@ import urllib.request
 
 import pytest
 
-from .lab import ARTIFACTS, REPO, TOKEN, Lab, open_notebook, run_all, skip_reason, wait_run_all_done
+from helpers_notebooks import missing
+
+from .lab import (ARTIFACTS, REPO, TOKEN, Lab, open_notebook, outputs_text, run_all, settle, skip_reason, switch_theme,
+                  wait_run_all_done)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -68,19 +74,13 @@ CELL_RUNNING = """(needle) => {
 }"""
 
 
-def set_theme(page, theme: str) -> None:
-    page.evaluate("(t) => window.jupyterapp.commands.execute('apputils:change-theme', {theme: t})", THEMES[theme])
-    want = "true" if theme == "light" else "false"
-    page.wait_for_function(f"() => document.body.dataset.jpThemeLight === '{want}'", timeout=30_000)
-    time.sleep(1.2)  # the panels redraw 150 ms after a switch (screenshots only)
-
-
 def shots(page, name: str, locator: str) -> None:
     for theme in ("light", "dark"):
-        set_theme(page, theme)
+        switch_theme(page, THEMES[theme])
         page.locator(locator).last.scroll_into_view_if_needed()
+        settle(page)
         page.screenshot(path=str(ARTIFACTS / f"{name}-{theme}.png"))
-    set_theme(page, "light")
+    switch_theme(page, THEMES["light"])
 
 
 def assert_ends_live(page, lab: Lab) -> None:
@@ -127,6 +127,7 @@ def test_nb03_pause_during_the_sweep_cell_and_it_ends_live(lab, page):
         return t && t.textContent !== before; }""", arg=kv_before, timeout=120_000)
     kv_changed_during_cell = page.evaluate(CELL_RUNNING, "result = sweep(")
     wait_done(page, "40-nb03")
+    assert missing(NB03.name, outputs_text(page)) == []  # the notebook's one full run in the suite
     (ARTIFACTS / "nb03_live.json").write_text(json.dumps(
         {"pause_click_to_paused_s": round(paused_s, 3), "kv_changed_during_cell": kv_changed_during_cell}))
     assert paused_s < 10.0, paused_s  # ~0.3 s here; the bound only catches a click that waited for the cell
@@ -156,6 +157,7 @@ def wait_done(page, name: str) -> None:
 def test_nb04_ends_live_with_its_noise_stated(lab, page):
     open_and_run_all(page, lab, NB04.name)
     wait_done(page, "41-nb04")
+    assert missing(NB04.name, outputs_text(page)) == []  # the notebook's one full run in the suite
     md = page.locator(".jp-RenderedMarkdown", has_text="What the numbers say").text_content()
     assert "Without a swap pool the engine soft-reset" in md
     assert "runs per path" in md and ("Tie within noise" in md or "no range overlaps the winner" in md)

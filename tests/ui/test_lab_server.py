@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .lab import ARTIFACTS, REPO, TOKEN, Lab, skip_reason, wait_run_all_done
+from .lab import ARTIFACTS, REPO, TOKEN, Lab, settle, skip_reason, switch_theme, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -100,11 +100,9 @@ def test_server_panel_live_copy_and_themes(chromium):
             out = subprocess.run(["bash", "-c", copied], capture_output=True, text=True, timeout=60)
             assert json.loads(out.stdout)["object"] == "chat.completion"
 
-            page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', "
-                          "{theme: 'JupyterLab Dark'})")
-            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
-            page.wait_for_timeout(500)  # let the theme's stylesheet apply before the screenshot
+            switch_theme(page, "JupyterLab Dark")
             page.locator(".cbnb-server").scroll_into_view_if_needed()
+            settle(page)
             page.screenshot(path=str(ARTIFACTS / "server-panel-dark.png"))
 
             # The request board names each request's source: the HTTP client's address, or what a Python
@@ -122,11 +120,9 @@ def test_server_panel_live_copy_and_themes(chromium):
             assert "client address" in (head.get_attribute("title") or "")
             page.locator(".cbnb-board").scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / "board-source-dark.png"))
-            page.evaluate("() => jupyterapp.commands.execute('apputils:change-theme', "
-                          "{theme: 'JupyterLab Light'})")
-            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'", timeout=30_000)
-            page.wait_for_timeout(500)
+            switch_theme(page, "JupyterLab Light")
             page.locator(".cbnb-board").scroll_into_view_if_needed()
+            settle(page)
             page.screenshot(path=str(ARTIFACTS / "board-source-light.png"))
 
             # A stopped server leaves the panel, which then says how to start one.

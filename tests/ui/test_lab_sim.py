@@ -4,7 +4,7 @@ A notebook builds a simulated llama-3.1-8b on an H100 profile with 300 Poisson a
 `cbnb.ui.Dashboard` on it and starts the simulation at 1.5x simulated time. The test checks that the panels animate
 (the board's finished rows, the plots' steps, the KV page map and the simulated clock all move between two looks),
 that the page map shows the simulated cache, that the Submit panel's workload button submits to the simulator and
-those requests finish, and takes 1440x900 screenshots in the light and dark themes while it runs
+those requests finish, that Pause / Step / Resume step the simulation one simulated step per click, and takes 1440x900 screenshots in the light and dark themes while it runs
 (test-artifacts/ui/sim-{top,plots}-{light,dark}.png).
 """
 
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from .lab import ARTIFACTS, Lab, open_notebook, run_all, skip_reason, wait_run_all_done
+from .lab import ARTIFACTS, Lab, open_notebook, run_all, settle, skip_reason, switch_theme, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -58,8 +58,43 @@ def _shots(page, theme: str) -> None:
     """1440x900 screenshots of the dashboard's top (submit, stream, board) and of its plots and page map."""
     for name, sel in (("top", ".cbnb-dashboard"), ("plots", ".cbnb-plots")):
         page.evaluate(f"() => document.querySelector('{sel}').scrollIntoView({{block: 'start'}})")
-        time.sleep(1.0)  # charts that came on screen draw
+        settle(page)  # charts that came on screen draw
         page.screenshot(path=str(ARTIFACTS / f"sim-{name}-{theme}.png"))
+
+
+def _paused_step(page) -> int:
+    status = page.locator(".cbnb-controls .cbnb-controls-status").text_content()
+    assert "paused after step " in status, status
+    return int(status.split("paused after step ")[1].split()[0])
+
+
+def _step_mode(page, py) -> None:
+    """Pause holds the simulated clock; each Step click runs exactly one simulated step; Resume lets it run on."""
+    page.locator(".cbnb-controls").first.scroll_into_view_if_needed()
+    page.locator(".cbnb-controls .cbnb-pause").click()
+    page.wait_for_selector('.cbnb-controls[data-paused="true"]', timeout=60_000)
+    assert py("sim.paused") == "True"
+    step = _paused_step(page)
+    held = py("(sim.now, sim.core.step_id)")
+    page.wait_for_timeout(500)  # wall time passes, the simulated clock and the step count stay
+    assert py("(sim.now, sim.core.step_id)") == held
+    for _ in range(3):
+        page.locator(".cbnb-controls .cbnb-step").click()
+        page.wait_for_function("""(n) => {
+            const m = /paused after step (\\d+)/.exec(
+                document.querySelector('.cbnb-controls .cbnb-controls-status').textContent);
+            return m && Number(m[1]) === n;
+        }""", arg=step + 1, timeout=60_000)
+        step += 1
+        assert int(py("sim.core.step_id")) == step
+    page.locator(".cbnb-controls .cbnb-controls-status").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "sim-paused-light.png"))
+    page.locator(".cbnb-controls .cbnb-resume").click()
+    page.wait_for_selector('.cbnb-controls[data-paused="false"]', timeout=60_000)
+    deadline = time.monotonic() + 60
+    while int(py("sim.core.step_id")) <= step:  # it runs on by itself
+        assert time.monotonic() < deadline, "the simulation did not run on after Resume"
+        time.sleep(0.25)
 
 
 def test_dashboard_on_a_simulation_animates_and_submits(tmp_path, chromium):
@@ -115,11 +150,9 @@ def test_dashboard_on_a_simulation_animates_and_submits(tmp_path, chromium):
             page.wait_for_function(f"() => document.querySelector('.cbnb-kv-group-title').textContent !== {kv1!r}",
                                    timeout=30_000)
             _shots(page, "light")
+            _step_mode(page, py)
             # Dark theme (JupyterLab's own command), while the simulation still runs.
-            page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', "
-                          "{theme: 'JupyterLab Dark'})")
-            page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
-            time.sleep(1.0)  # the theme's CSS variables reach the panels
+            switch_theme(page, "JupyterLab Dark")  # and the panels redrew in it
             _shots(page, "dark")
             assert py("sim.state") == "'running'"
 
@@ -131,6 +164,7 @@ def test_dashboard_on_a_simulation_animates_and_submits(tmp_path, chromium):
             assert ids and all(i.startswith("sim-") for i in ids), ids
             # They show on the board (live, or among the newest ended) ...
             page.wait_for_selector(f".cbnb-board tr[data-id='{ids[-1]}']", state="attached", timeout=30_000)
+            py("setattr(sim, 'speed', None)")  # the rest of the traffic as fast as possible: what ends is checked
             assert py("sim.wait_idle(120)") == "True"
             states = py(f"sorted({{o.state.name for o in sim.outputs() if o.request_id in {ids!r}}})")
             assert states == "['FINISHED']", states  # ... and finish in the simulation

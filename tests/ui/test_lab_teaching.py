@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from .lab import ARTIFACTS
+from .lab import ARTIFACTS, settle
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -260,6 +260,9 @@ def test_kv_hover_lights_up_a_request_and_its_sharers_and_click_explains(s):
     fpx = canvas_pixel(page, ".cbnb-kvmap canvas", fx + g["cell"] / 2, fy + g["cell"] / 2)
     assert luma(fpx) > 240 if not dark else luma(fpx) < 60, fpx
     s.shots("15-kv-highlight-shared", ".cbnb-kvmap")
+    kv.scroll_into_view_if_needed()  # the screenshots scrolled: measure the block's place again
+    x, y, g = kv_block_xy(page, own)
+    box = page.locator(".cbnb-kvmap canvas").first.bounding_box()
     page.mouse.click(box["x"] + x + g["cell"] / 2, box["y"] + y + g["cell"] / 2)  # a click: the owner's story
     page.wait_for_function("(r) => document.querySelector('.cbnb-why').dataset.request === r", arg=b, timeout=30_000)
     page.mouse.move(5, 5)
@@ -517,15 +520,15 @@ def test_theme_colours_and_font_scale(s):
     page = s.page
     s.set_theme("dark")
     page.locator(".cbnb-kvmap").scroll_into_view_if_needed()
-    time.sleep(0.5)
+    settle(page)
     free = int(s.py("[int(i) for i, st in enumerate(engine.snapshot().groups[0].state) if st == 0][-1]"))
     x, y, g = kv_block_xy(page, free)
     assert luma(canvas_pixel(page, ".cbnb-kvmap canvas", x + g["cell"] / 2, y + g["cell"] / 2)) < 90
     page.locator(".cbnb-timeline").scroll_into_view_if_needed()
-    time.sleep(0.3)
+    settle(page)
     assert luma(canvas_pixel(page, ".cbnb-tl-canvas", 3, 3)) < 80  # the timeline's background
     page.locator(".cbnb-plots").scroll_into_view_if_needed()
-    time.sleep(1.0)
+    settle(page)  # the charts on screen drawn in the dark theme's colours
     fill = page.evaluate("() => getComputedStyle(document.querySelector('.cbnb-plots .gtitle')).fill")
     assert luma([int(v) for v in re.findall(r"\d+", fill)[:3]]) > 150, fill  # light titles on the dark page
     assert "dark theme" in page.locator(".cbnb-controls .cbnb-theme-name").text_content()

@@ -106,7 +106,7 @@ def test_config_number_boxes_and_2x_layout_and_timeline_columns(s):
     try:
         cfg.scroll_into_view_if_needed()
         page.wait_for_function("() => getComputedStyle(document.documentElement).getPropertyValue('--cbnb-scale')"
-                               ".trim() === '2'", timeout=15_000)
+                               ".trim() === '2'", timeout=60_000)
         time.sleep(0.3)  # one layout after the variable changed
         parts = page.evaluate(GEOMETRY)
         bad = [(a["f"], a["cls"], b["f"], b["cls"]) for a, b in itertools.combinations(parts, 2) if overlap(a, b)]
@@ -118,14 +118,14 @@ def test_config_number_boxes_and_2x_layout_and_timeline_columns(s):
         s.shots("usability-config-2x", ".cbnb-config")
         tl.scroll_into_view_if_needed()
         page.wait_for_function("() => (document.querySelector('.cbnb-timeline').__cbnbGeo || {}).rowH === 28",
-                               timeout=15_000)
+                               timeout=60_000)
         geo = page.evaluate("() => document.querySelector('.cbnb-timeline').__cbnbGeo")
         assert geo["gutter"] <= 240 and (col1 is None or geo["colW"] >= 0.9 * col1), (col1, geo["colW"], geo["gutter"])
         s.shots("usability-timeline-2x", ".cbnb-timeline")
     finally:  # back to 1x from the kernel (the tested gesture was the slider's): the page follows the trait
         s.run("dash.controls.font_scale = 1.0")
         page.wait_for_function("() => getComputedStyle(document.documentElement).getPropertyValue('--cbnb-scale')"
-                               ".trim() === '1'", timeout=15_000)
+                               ".trim() === '1'", timeout=60_000)
         page.locator(".cbnb-config .cbnb-reset").click()
         wait_py(s, "dash.config.values['max_requests_per_batch'] == engine.config.max_requests_per_batch", 30)
     assert s.errors == [], s.errors
@@ -153,7 +153,7 @@ def test_paused_board_slow_motion_line_and_why_after_apply(s):
     box.press("Enter")
     page.wait_for_function("() => /\\(now 16\\)/.test(document.querySelector("
                            "'.cbnb-config-row[data-field=max_batch_tokens] .cbnb-config-value').textContent)",
-                           timeout=15_000)
+                           timeout=60_000)
     # The typed value reaches Python as a trait update (the kernel acknowledges every state message, also those
     # handled on cbnb's subshell, so the widget front-end never holds back the next one).
     wait_py(s, "dash.config.values['max_batch_tokens'] == 64", 30)

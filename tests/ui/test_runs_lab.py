@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from .lab import ARTIFACTS, TOKEN, Lab, skip_reason, wait_run_all_done
+from .lab import ARTIFACTS, TOKEN, Lab, settle, skip_reason, switch_theme, wait_run_all_done
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -82,7 +82,7 @@ def _py(lab, expr: str) -> str:
 def _runs_shot(page, name: str, part: str = ".cbnb-runs-table") -> None:
     """A 1440x900 screenshot with `part` of the panel scrolled to the top of the notebook view."""
     page.evaluate("(sel) => document.querySelector(sel).scrollIntoView({block: 'start'})", part)
-    time.sleep(0.3)
+    settle(page)
     page.screenshot(path=str(ARTIFACTS / name))
 
 
@@ -145,9 +145,7 @@ def test_export_chosen_run_config(session):
     assert "--block-size 16" in shown
     assert re.search(r"Exported run group [\d, ]+ to vllm", page.locator(".cbnb-runs > .cbnb-message").text_content())
     _runs_shot(page, "runs-export-light.png", ".cbnb-runs-lower")
-    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
-    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
-    time.sleep(1.0)
+    switch_theme(page, "JupyterLab Dark")
     _runs_shot(page, "runs-export-dark.png", ".cbnb-runs-lower")
     _runs_shot(page, "runs-table-dark.png")
     # The dark theme reaches the panel: its background follows JupyterLab's variables.
