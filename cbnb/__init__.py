@@ -1,6 +1,6 @@
 """cbnb: a Jupyter-native continuous-batching LLM inference engine that shows its own insides.
 
-Public names are loaded lazily, so `import cbnb.scheduler` (or `cbnb.config`, `cbnb.cache`, ...) stays torch-free
+Public names are loaded lazily, so `import cbnb.core.scheduler` (or `cbnb.core.config`, `cbnb.core.cache`, ...) stays torch-free
 and `import cbnb` needs neither ipywidgets, plotly nor gguf.
 """
 
@@ -12,18 +12,18 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ContinuousBatchingConfig": "cbnb.config",
-    "Request": "cbnb.requests",
-    "RequestState": "cbnb.requests",
-    "RequestOutput": "cbnb.requests",
-    "SamplingParams": "cbnb.requests",
-    "TokenDelta": "cbnb.requests",
-    "TokenLogprob": "cbnb.requests",
-    "Engine": "cbnb.engine",
-    "RequestHandle": "cbnb.engine",
-    "EngineStoppedError": "cbnb.engine",
-    "load_model": "cbnb.models",
-    "DEFAULT_MODEL": "cbnb.models",
+    "ContinuousBatchingConfig": "cbnb.core.config",
+    "Request": "cbnb.core.requests",
+    "RequestState": "cbnb.core.requests",
+    "RequestOutput": "cbnb.core.requests",
+    "SamplingParams": "cbnb.core.requests",
+    "TokenDelta": "cbnb.core.requests",
+    "TokenLogprob": "cbnb.core.requests",
+    "Engine": "cbnb.engine.engine",
+    "RequestHandle": "cbnb.engine.engine",
+    "EngineStoppedError": "cbnb.engine.engine",
+    "load_model": "cbnb.engine.models",
+    "DEFAULT_MODEL": "cbnb.engine.models",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

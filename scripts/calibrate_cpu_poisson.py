@@ -30,8 +30,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import cbnb
-    from cbnb.tuning import measure_capacity
-    from cbnb.workloads import get_workload
+    from cbnb.lab.tuning import measure_capacity
+    from cbnb.lab.workloads import get_workload
 
     wl = get_workload("cpu-poisson", scale=args.scale)
     model, tok = cbnb.load_model(wl.model)

@@ -54,7 +54,7 @@ def free_memory() -> None:
 def load(name: str, dtype: str):
     import torch
 
-    from cbnb.models import load_model
+    from cbnb.engine.models import load_model
 
     return load_model(name, dtype=getattr(torch, dtype), device=DEV)
 
@@ -66,7 +66,7 @@ def headline_model():
 
 def nanovllm(vocab: int, scale: float):
     import cbnb
-    from cbnb.workloads import get_workload
+    from cbnb.lab.workloads import get_workload
 
     wl = get_workload("nanovllm-256", vocab_size=vocab, scale=scale)
     hints = dict(wl.config_hints)

@@ -20,8 +20,8 @@ import sys
 import tempfile
 
 import cbnb
-from cbnb.models import model_cache_dir
-from cbnb.workloads import get_workload
+from cbnb.engine.models import model_cache_dir
+from cbnb.lab.workloads import get_workload
 
 
 def _engine_side(stats: dict) -> dict:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cbnb.config import ContinuousBatchingConfig
-from cbnb.requests import RequestOutput, RequestState, RequestTimings
+from cbnb.core.config import ContinuousBatchingConfig
+from cbnb.core.requests import RequestOutput, RequestState, RequestTimings
 
 
 class _Handle:

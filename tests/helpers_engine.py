@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import cbnb
-from cbnb.models import load_model
+from cbnb.engine.models import load_model
 
 TINY_MODELS = ("tiny:llama", "tiny:qwen3", "tiny:gemma3", "tiny:mistral")
 SHARING_MODELS = ("tiny:llama", "tiny:qwen3")  # pure full attention: prefix sharing is on
@@ -210,36 +210,16 @@ def cbnb_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("cbnb")}
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """SmolLM2's real tokenizer, read from the converted-model cache. With a tiny model, ids < 512 are byte-level
-    pieces and specials: real incremental decoding on a tiny model."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(converted_smollm2()))
-
-
 def converted_smollm2():
     """The converted bundled SmolLM2's cache folder, converting it first if needed (once per machine: later tests and
     the notebooks load it anyway)."""
-    from cbnb.models import _cache_ready, load_model, model_cache_dir
+    from cbnb.engine.models import _cache_ready, load_model, model_cache_dir
 
     path = model_cache_dir() / "smollm2-135m"
     if not _cache_ready(path):
         load_model("smollm2-135m")
     assert _cache_ready(path), path
     return path
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("tiny:llama"), oracle_for("tiny:llama")
 
 
 @contextlib.contextmanager

@@ -97,26 +97,10 @@ def ended(engine: cbnb.Engine, rid: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- shared fixtures
-# A test module uses them by importing them (`from helpers_server import served, client, one_thread`).
+# `served` and `client` are in tests/server/conftest.py. This one is autouse for the modules that import it
+# (`from helpers_server import one_thread`), so it stays here, opted into per module.
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The module runs with one torch intra-op thread (server threads and the engine share 2 cores)."""
     with torch_threads(1):
         yield
-
-
-@pytest.fixture(scope="module")
-def served():
-    """(engine, server): a tiny served engine for the module."""
-    with served_engine() as (engine, server):
-        yield engine, server
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    """The real `openai` SDK client of `served`."""
-    import openai
-
-    _, server = served
-    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import cbnb
 
-CORE = ["cbnb.config", "cbnb.requests", "cbnb.cache.layout", "cbnb.cache.pool", "cbnb.cache.allocators",
-        "cbnb.cache.prefix", "cbnb.cache.swap", "cbnb.cache.manager", "cbnb.cache.sizing", "cbnb.cache.snapshot",
-        "cbnb.scheduler", "cbnb.offload", "cbnb.core", "cbnb.events", "cbnb.stats", "cbnb.workloads",
+CORE = ["cbnb.core.config", "cbnb.core.requests", "cbnb.core.cache.layout", "cbnb.core.cache.pool", "cbnb.core.cache.allocators",
+        "cbnb.core.cache.prefix", "cbnb.core.cache.swap", "cbnb.core.cache.manager", "cbnb.core.cache.sizing", "cbnb.core.cache.snapshot",
+        "cbnb.core.scheduler", "cbnb.core.offload", "cbnb.core.engine_core", "cbnb.telemetry.events", "cbnb.telemetry.stats", "cbnb.lab.workloads",
         # the engine's runner-agnostic parts, shared with the simulator
-        "cbnb.plan", "cbnb.telemetry", "cbnb.inbox", "cbnb.handle", "cbnb.prompts", "cbnb.phases", "cbnb.loop",
-        "cbnb.explain", "cbnb.step_mode", "cbnb.sampling_params", "cbnb.generation", "cbnb.stops",
+        "cbnb.core.plan", "cbnb.telemetry.recorder", "cbnb.engine.inbox", "cbnb.engine.handle", "cbnb.engine.prompts", "cbnb.engine.phases", "cbnb.engine.loop",
+        "cbnb.telemetry.explain", "cbnb.engine.step_mode", "cbnb.core.sampling_params", "cbnb.core.generation", "cbnb.engine.stops",
         # the engine shell both engines share, its protocol, run segments, the incremental detokenizer
-        "cbnb.shell", "cbnb.engine_like", "cbnb.segments", "cbnb.detok"]
+        "cbnb.engine.shell", "cbnb.engine.engine_like", "cbnb.core.segments", "cbnb.engine.detok"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
        "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
@@ -46,7 +46,7 @@ def test_sim_imports_and_simulates_without_torch():
 
 
 # The tuning lab drives any engine-like object, the simulator's too: it imports no torch either.
-LAB = ["cbnb.traffic", "cbnb.driver", "cbnb.metrics", "cbnb.runs", "cbnb.tuning", "cbnb.export", "cbnb.peers"]
+LAB = ["cbnb.lab.traffic", "cbnb.lab.driver", "cbnb.lab.metrics", "cbnb.lab.runs", "cbnb.lab.tuning", "cbnb.export", "cbnb.lab.peers"]
 
 
 def test_tuning_lab_does_not_import_torch():
@@ -58,16 +58,16 @@ def test_tuning_lab_does_not_import_torch():
 def test_engine_imports_without_ui_or_gguf():
     # Make the UI libraries and gguf unimportable, as on the GPU machine.
     code = ("import sys\nfor m in ('ipywidgets', 'anywidget', 'plotly', 'gguf'): sys.modules[m] = None\n"
-            "import cbnb, cbnb.engine, cbnb.bench, cbnb.runner.model_runner\n"
+            "import cbnb, cbnb.engine.engine, cbnb.bench, cbnb.runner.model_runner\n"
             "print(cbnb.Engine.__name__, cbnb.ContinuousBatchingConfig.__name__)")
     mods = _loaded_after(code)
-    assert "cbnb.engine" in mods and "torch" in mods
+    assert "cbnb.engine.engine" in mods and "torch" in mods
 
 
 def test_engine_and_server_package_import_without_the_web_stack():
     # Without the `serve` extra, cbnb and cbnb.server still import; serve() names the install command.
     code = ("import sys\nfor m in ('uvicorn', 'starlette', 'pydantic', 'prometheus_client'): sys.modules[m] = None\n"
-            "import cbnb, cbnb.engine, cbnb.server\n"
+            "import cbnb, cbnb.engine.engine, cbnb.server\n"
             "from cbnb.server import serve\n"
             "try:\n    serve(None)\nexcept ImportError as e:\n    print('ERR', e)\n"
             "try:\n    cbnb.Engine.serve(None, port=0)\nexcept ImportError as e:\n    print('METHOD', e)\n")
@@ -78,19 +78,19 @@ def test_engine_and_server_package_import_without_the_web_stack():
 
 
 def test_plan_data_imports_nothing_that_decides():
-    mods = _loaded_after("import cbnb.plan")
-    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload", "cbnb.cache.manager", "cbnb.requests"} & mods
+    mods = _loaded_after("import cbnb.core.plan")
+    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload", "cbnb.core.cache.manager", "cbnb.core.requests"} & mods
 
 
 def test_runners_take_plan_types_from_plain_data_and_form_no_cycle():
     # The runner executes plans; it does not make them: no scheduler, core or offload policy behind it.
     mods = _loaded_after("import cbnb.runner.model_runner, cbnb.runner.batch, cbnb.runner.kv")
-    assert "cbnb.plan" in mods
-    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload", "cbnb.runner.cuda_runner"} & mods
+    assert "cbnb.core.plan" in mods
+    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload", "cbnb.runner.cuda_runner"} & mods
     # cuda_runner imports model_runner (a subclass), never the other way; the factory is the one chooser.
     mods = _loaded_after("import cbnb.runner.cuda_runner")
-    assert {"cbnb.runner.model_runner", "cbnb.plan"} <= mods and "cbnb.runner.factory" not in mods
-    assert not {"cbnb.scheduler", "cbnb.core", "cbnb.offload"} & mods
+    assert {"cbnb.runner.model_runner", "cbnb.core.plan"} <= mods and "cbnb.runner.factory" not in mods
+    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload"} & mods
 
 
 # ---------------------------------------------------------------------------------------------- import circles
@@ -191,8 +191,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_walker_sees_lazy_imports():
     g = import_graph()
-    assert "cbnb.explain" in g["cbnb.shell"]  # imported inside `EngineShell.explain`
-    assert "cbnb.engine" in g["cbnb"] and "cbnb.sim.engine" in g["cbnb.sim"]
+    assert "cbnb.telemetry.explain" in g["cbnb.engine.shell"]  # imported inside `EngineShell.explain`
+    assert "cbnb.engine.engine" in g["cbnb"] and "cbnb.sim.engine" in g["cbnb.sim"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

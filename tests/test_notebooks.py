@@ -55,7 +55,7 @@ def test_notebook_runs_headless(name, monkeypatch, tmp_path):
 
     monkeypatch.setenv("CBNB_CI", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    # One torch thread in the kernel: on a machine shared with other jobs two threads collapse (cbnb.workloads'
+    # One torch thread in the kernel: on a machine shared with other jobs two threads collapse (cbnb.lab.workloads'
     # calibration notes: 0.12-0.17 vs 0.9-1.4 requests/s), and notebook 02's timed traffic is paced by the capacity
     # it measures, so its duration would grow with the contention.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -37,7 +37,7 @@ def test_pandas_is_a_dependency():
 
 
 def test_readme_says_where_models_are_cached_and_how_to_move_them(monkeypatch, tmp_path):
-    from cbnb.models import model_cache_dir
+    from cbnb.engine.models import model_cache_dir
 
     assert "~/.cache/cbnb" in README and "CBNB_CACHE_DIR" in README
     monkeypatch.delenv("CBNB_CACHE_DIR", raising=False)

@@ -36,7 +36,7 @@ _guard = guard  # the name scripts/gpu_check.py uses
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..workloads import WORKLOADS
+    from ..lab.workloads import WORKLOADS
 
     ap = argparse.ArgumentParser(prog="python -m cbnb.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="cpu-32", choices=WORKLOADS)

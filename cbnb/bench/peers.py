@@ -94,7 +94,7 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
     """
     import torch
 
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
     eng = Engine(model, tokenizer=tokenizer, config=config, **(engine_kwargs or {}))
     device = eng.device.type
@@ -144,7 +144,7 @@ def _first_token_s(eng, prompt: list[int]) -> float:
 
 def lone_prompts(workload, vocab_size: int, count: int = 3, seed: int = 0) -> list[list[int]]:
     """`count` fresh prompts (no prefix in common with the workload) of the workload's median prompt length."""
-    from ..workloads import FIRST_ID
+    from ..lab.workloads import FIRST_ID
 
     lengths = sorted(len(p) for p in workload.prompts)
     n = lengths[len(lengths) // 2]
@@ -155,7 +155,7 @@ def lone_prompts(workload, vocab_size: int, count: int = 3, seed: int = 0) -> li
 def hf_cb_manager(model, config, max_new_tokens: int):
     """transformers' continuous-batching manager for `model` with `config`'s values, started (greedy, EOS off).
 
-    Also used by `cbnb.peers.HFContinuousBatching` (the notebook A/B with arrival times).
+    Also used by `cbnb.lab.peers.HFContinuousBatching` (the notebook A/B with arrival times).
     """
     from transformers import GenerationConfig
 

@@ -41,11 +41,11 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ..config import ContinuousBatchingConfig
-    from ..engine import Engine
-    from ..models import load_model
+    from ..core.config import ContinuousBatchingConfig
+    from ..engine.engine import Engine
+    from ..engine.models import load_model
     from ..runner import cpu_kernels
-    from ..workloads import get_workload
+    from ..lab.workloads import get_workload
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,7 +116,7 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..workloads import WORKLOADS
+    from ..lab.workloads import WORKLOADS
 
     ap = argparse.ArgumentParser(prog="python -m cbnb.bench.profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="cpu-32", choices=WORKLOADS)

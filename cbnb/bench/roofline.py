@@ -103,7 +103,7 @@ def model_cost(model: Any) -> ModelCost:
     """`ModelCost` of a transformers causal LM, from its `nn.Linear` modules and its config."""
     import torch
 
-    from ..cache.layout import layer_groups, model_kv_spec
+    from ..core.cache.layout import layer_groups, model_kv_spec
 
     head_mod = model.get_output_embeddings()
     body = tuple((m.in_features, m.out_features) for m in model.modules()

@@ -20,7 +20,7 @@ __all__ = ["run_bench", "config_from", "probe_rows", "machine_name"]
 
 def config_from(hints: dict[str, Any], args: argparse.Namespace):
     """The workload's `ContinuousBatchingConfig` hints overridden by the command-line fields that are set."""
-    from ..config import ContinuousBatchingConfig
+    from ..core.config import ContinuousBatchingConfig
 
     kw = dict(hints)
     for name in ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type",
@@ -120,8 +120,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
     """
     import torch
 
-    from ..models import load_model
-    from ..workloads import get_workload
+    from ..engine.models import load_model
+    from ..lab.workloads import get_workload
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if args.threads:

@@ -110,7 +110,7 @@ def mapping_table(rows: Iterable[MappingRow]) -> str:
 
 def changed_fields(config: Any) -> dict[str, Any]:
     """Fields of `config` that differ from transformers' defaults (a fresh `ContinuousBatchingConfig`)."""
-    from ..config import ContinuousBatchingConfig
+    from ..core.config import ContinuousBatchingConfig
 
     default = ContinuousBatchingConfig()
     return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}

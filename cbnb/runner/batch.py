@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..plan import ScheduledRequest, StepKV, decode_slot
+from ..core.plan import ScheduledRequest, StepKV, decode_slot
 from . import cpu_kernels
 
 __all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.manager import CacheManager
-from ..plan import StepKV, StepResult, StepWork
+from ..core.cache.manager import CacheManager
+from ..core.plan import StepKV, StepResult, StepWork
 from .attention import paged_attention_forward, register as register_cpu_attention
 from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
@@ -272,7 +272,7 @@ class CudaModelRunner(ModelRunner):
         biggest = MetaLayout.for_shape(self.planner.max_shape())
         self.pairs = [IOPair(i, biggest.total, self.planner.max_seqs, self.device)
                       for i in range(2 if self.async_mode else 1)]
-        if self.graph_varlen or self.graph_decode:  # counted by the cache sizing (`cbnb.cache.sizing.graph_bytes`)
+        if self.graph_varlen or self.graph_decode:  # counted by the cache sizing (`cbnb.core.cache.sizing.graph_bytes`)
             head = self.model.get_output_embeddings().weight
             for pair in self.pairs:
                 pair.logits = torch.empty(self.planner.max_seqs, head.shape[0], dtype=head.dtype, device=self.device)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..cache.manager import CacheManager
+from ..core.cache.manager import CacheManager
 from .kv import KVStore
 from .model_runner import ModelRunner
 

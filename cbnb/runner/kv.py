@@ -1,6 +1,6 @@
 """KV tensors: the device pool, its per-layer page views, the host swap pool, and block copies.
 
-The pool is one uint8 buffer of ``(num_sectors + 2) * bytes_per_sector`` bytes (`cbnb.cache.layout` has the
+The pool is one uint8 buffer of ``(num_sectors + 2) * bytes_per_sector`` bytes (`cbnb.core.cache.layout` has the
 geometry). Layer group g sees it as ``[num_blocks_g, layers_in_g, 2, page_size, num_kv_heads, head_dim]`` in the
 cache dtype, so layer l (the i-th of its group) has K pages ``view[:, i, 0]`` and V pages ``view[:, i, 1]``, each
 ``[num_blocks_g, page_size, num_kv_heads, head_dim]`` (strided: consecutive blocks are `bytes_per_block` apart).
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..cache.layout import KVLayout
+from ..core.cache.layout import KVLayout
 from .malloc import tune_malloc
 
 if TYPE_CHECKING:
-    from ..plan import StepWork
+    from ..core.plan import StepWork
 
 __all__ = ["KVStore"]
 

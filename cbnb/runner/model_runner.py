@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..cache.manager import CacheManager
-from ..plan import StepResult, StepWork
+from ..core.cache.manager import CacheManager
+from ..core.plan import StepResult, StepWork
 from .attention import ATTN_NAME, register
 from .batch import build_step_batch
 from .compiled import compiled_forward, resolve_compile_configs
@@ -188,7 +188,7 @@ def _prompt_logprob_rows(entries: list, batch: Any) -> tuple[list[int], list[tup
 
 def _prompt_logprobs(logits: torch.Tensor, targets: list[tuple[str, int, int, int]]) -> dict[str, list]:
     """request id -> [(position, TokenLogprob)] from the raw logits of the prompt rows (float32 log_softmax)."""
-    from ..requests import TokenLogprob
+    from ..core.requests import TokenLogprob
 
     lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor([t[2] for t in targets], dtype=torch.long, device=lp.device)

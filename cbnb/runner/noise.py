@@ -61,7 +61,7 @@ _CHUNK = 1 << 18  # elements per chunk of the noise pass (its int32 scratch is r
 def _mix31_(h: torch.Tensor, t: torch.Tensor) -> None:
     """`_mix31` in place on int32 values in [0, 2**31), with scratch `t`. The product wraps modulo 2**32 in int32
     (two's complement, as torch's integer kernels do); its low 31 bits, all that ``& _M31`` keeps, are those of the
-    exact int64 product, so the result equals `_mix31`'s (tests/test_sampling_fast.py checks it)."""
+    exact int64 product, so the result equals `_mix31`'s (tests/runner/test_sampling_fast.py checks it)."""
     for _ in range(2):
         torch.bitwise_right_shift(h, 16, out=t)
         h.bitwise_xor_(t).mul_(_MUL).bitwise_and_(_M31)

@@ -1,4 +1,4 @@
-"""Logits processors for the rows of a step, vectorised over rows (semantics and order: `cbnb.sampling_params`).
+"""Logits processors for the rows of a step, vectorised over rows (semantics and order: `cbnb.core.sampling_params`).
 
 Per step, `build` turns the rows' `SamplingParams` and positions into a `ProcessorBatch` of a few device tensors
 (host work proportional to the number of processor entries, not to the vocabulary), and `apply` runs every processor
@@ -292,7 +292,7 @@ def _sequences(x: torch.Tensor, seqs: list[_Seq], history: History, batch: Proce
 
 def apply(x: torch.Tensor, batch: ProcessorBatch, history: History) -> torch.Tensor:
     """Run the step's processors over ``x [n, V]`` (fp32, modified in place) in the order of
-    `cbnb.sampling_params`; returns x."""
+    `cbnb.core.sampling_params`; returns x."""
     if batch.add is not None:
         rows, toks, bias = batch.add
         x.index_put_((rows, toks), bias, accumulate=True)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..requests import TokenLogprob
+from ..core.requests import TokenLogprob
 from . import grammar as grammar_masks
 from . import processors as procs
 from .noise import _M31, _argmax, _noise_into, _scratch, gumbel_noise, row_key

@@ -43,7 +43,7 @@ from .settings import ServerSettings
 from .generation import Generation, PrimedHandle, Slot, TokenText
 from .sse import ClientGone, EventStream, until_disconnect
 from .tools import render as render_tools
-from ..structured import warm
+from ..engine.structured import warm
 
 __all__ = ["ServerContext", "build_app"]
 
@@ -65,7 +65,7 @@ class ServerContext:
 
     def __init__(self, engine: Any, settings: ServerSettings, run_blocking: Callable[..., Any],
                  connections: Callable[[], int | None] = lambda: None) -> None:
-        from ..engine_like import submit_keywords
+        from ..engine.engine_like import submit_keywords
 
         self.engine = engine
         self.settings = settings
@@ -75,7 +75,7 @@ class ServerContext:
         self.model_name = settings.model_name or model_name_of(engine)
         self.aliases = [a for a in model_aliases_of(engine) if a != self.model_name]
         self.token_text = TokenText(getattr(engine, "tokenizer", None))
-        self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine_like`)
+        self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine.engine_like`)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted
         self.closing = False
         self.created = int(time.time())
@@ -503,7 +503,7 @@ _FIELD_OF = {"min_new_tokens": "min_tokens", "eos_token_id": "stop_token_ids", "
 
 def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: int | None, client: str,
             choice: int = 0) -> Any:
-    from ..inbox import EngineStoppedError
+    from ..engine.inbox import EngineStoppedError
 
     rid = f"http-{next(_REQUEST_IDS)}"
     kw = dict(g.submit_kwargs)

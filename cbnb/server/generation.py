@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from .counters import ServerCounters
 from .protocol import ApiError, GenerationRequest
 from .sse import DONE, sse
-from ..stops import TextStopFilter
+from ..engine.stops import TextStopFilter
 from .tools import CallStream, ToolStream, new_call_id, parse_calls, tool_calls_body
 
 __all__ = ["Generation", "Choice", "PrimedHandle", "Slot", "TokenText"]

@@ -24,7 +24,7 @@ import random
 import time
 from typing import Any, Sequence
 
-from ..stats import percentiles
+from ..telemetry.stats import percentiles
 
 __all__ = ["RequestRecord", "LoadResult", "run_load", "arrival_times"]
 
@@ -188,7 +188,7 @@ def run_load(base_url: str, prompts: Sequence[Any], max_tokens: int | Sequence[i
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from ..workloads import WORKLOADS, get_workload
+    from ..lab.workloads import WORKLOADS, get_workload
 
     p = argparse.ArgumentParser(prog="python -m cbnb.server.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")

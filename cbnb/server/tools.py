@@ -11,7 +11,7 @@ them), or ``<tool_call>{...}</tool_call>`` blocks (the Hermes / Qwen form that t
 call counts only when its name is one of the request's functions and its arguments are a JSON object; anything
 else is the message's content. With ``tool_choice`` "required" or a named function, the request carries a JSON
 schema (`call_schema`) so the output is always one valid call: ``{"name": <a function's name>, "arguments": <its
-parameters' schema>}``, where objects take only the properties they list (`cbnb.structured.closed`: a model never
+parameters' schema>}``, where objects take only the properties they list (`cbnb.engine.structured.closed`: a model never
 invents an argument) (at most one call per choice; `parallel_tool_calls` is accepted and changes nothing). With
 "auto" the model chooses freely and the text is parsed; with "none" tools are rendered but never parsed.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..structured import closed
+from ..engine.structured import closed
 
 __all__ = ["ToolSpec", "FunctionSpec", "render", "call_schema", "parse_calls", "tool_calls_body", "ToolStream",
            "CallStream", "FALLBACK_INSTRUCTIONS"]

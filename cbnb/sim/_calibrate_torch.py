@@ -275,8 +275,8 @@ def _tiny_model(s: ModelShape, layers: int) -> Any:
 
 def _decode_step_s(model: Any, rows: int, steps: int) -> float:
     """Median seconds of a decode step of `rows` single-page requests, from the engine's own step events."""
-    from ..config import ContinuousBatchingConfig
-    from ..engine import Engine
+    from ..core.config import ContinuousBatchingConfig
+    from ..engine.engine import Engine
 
     cfg = ContinuousBatchingConfig(page_size=256, num_blocks=rows + 4, max_batch_tokens=512)
     eng = Engine(model, config=cfg)

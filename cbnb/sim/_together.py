@@ -14,7 +14,7 @@ __all__ = ["submitted_together"]
 def submitted_together(engine: Any, timeout: float = 600.0) -> Iterator[None]:
     """Hold the engine's loop before its next inbox drain while the block runs (the engine is started if needed).
 
-    At most `cbnb.inbox.MAX_SUBMISSIONS_PER_TURN` submissions are taken in that turn, as always.
+    At most `cbnb.engine.inbox.MAX_SUBMISSIONS_PER_TURN` submissions are taken in that turn, as always.
     """
     gate = threading.Event()
     loop = engine._loop

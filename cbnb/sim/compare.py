@@ -1,4 +1,4 @@
-"""Predicted against measured: the same workload's `cbnb.runs.Run` from a `SimEngine` and from a real engine, as a
+"""Predicted against measured: the same workload's `cbnb.lab.runs.Run` from a `SimEngine` and from a real engine, as a
 table of latency percentiles and throughput (`compare_runs`) and a plotly figure (`compare_figure`: the percentiles
 side by side, and each request's end-to-end latency predicted against measured). Torch-free; plotly is imported
 only by `compare_figure`.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..metrics import FIGURE_LABELS
-from ..runs import provenance_text
+from ..lab.metrics import FIGURE_LABELS
+from ..lab.runs import provenance_text
 
 __all__ = ["COMPARED", "compare_runs", "compare_figure"]
 

@@ -14,8 +14,8 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ..handle import RequestHandle, check_timeout
-from ..requests import Request, RequestOutput, RequestState
+from ..engine.handle import RequestHandle, check_timeout
+from ..core.requests import Request, RequestOutput, RequestState
 from ._gc import relaxed_gc
 from .loop import SimulationStuck
 from .playback import Playback, check_speed

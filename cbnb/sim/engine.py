@@ -1,12 +1,12 @@
 """`SimEngine`: the engine shell on a virtual clock, with the cost model as its executor (torch-free).
 
-`SimEngine` is `cbnb.shell.EngineShell`, the lifecycle `cbnb.Engine` has too (generate, cancel_all, the step mode,
+`SimEngine` is `cbnb.engine.shell.EngineShell`, the lifecycle `cbnb.Engine` has too (generate, cancel_all, the step mode,
 reconfigure's run segments, stats, reset_stats, snapshot, memory_split, explain, serve), with two parts injected:
 the executor `cbnb.sim.executor.SimExecutor` (the `CostModel` in the runner's place: placeholder tokens and a step
-cost) and a virtual clock (`now`, simulated seconds). It drives the real `cbnb.core.EngineCore` (the same
+cost) and a virtual clock (`now`, simulated seconds). It drives the real `cbnb.core.engine_core.EngineCore` (the same
 schedulers, cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
-(`cbnb.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
-prompts and arguments with `cbnb.prompts`, records with the engine's `cbnb.telemetry.Recorder`, and runs the engine
+(`cbnb.core.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
+prompts and arguments with `cbnb.engine.prompts`, records with the engine's `cbnb.telemetry.recorder.Recorder`, and runs the engine
 loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs, or
 ``async_batching=True``). So the same calls give the same StepPlanned records, the same event kinds in the same
 order, the same run segments and the same `stats()` keys as `cbnb.Engine`; only times differ (simulated seconds).
@@ -36,18 +36,18 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..cache.manager import CacheManager
-from ..cache.sizing import MemoryPlan, plan_memory
-from ..config import ContinuousBatchingConfig
-from ..core import EngineCore
-from ..generation import REQUEST_ARGS
-from ..handle import check_timeout
-from ..prompts import prompt_ids, prompt_preview, sampling_params
-from ..requests import Request, RequestOutput, RequestState
-from ..runs import RunLog
-from ..segments import carry_step_id, mark_reconfigure
-from ..shell import EngineShell
-from ..telemetry import Recorder
+from ..core.cache.manager import CacheManager
+from ..core.cache.sizing import MemoryPlan, plan_memory
+from ..core.config import ContinuousBatchingConfig
+from ..core.engine_core import EngineCore
+from ..core.generation import REQUEST_ARGS
+from ..engine.handle import check_timeout
+from ..engine.prompts import prompt_ids, prompt_preview, sampling_params
+from ..core.requests import Request, RequestOutput, RequestState
+from ..lab.runs import RunLog
+from ..core.segments import carry_step_id, mark_reconfigure
+from ..engine.shell import EngineShell
+from ..telemetry.recorder import Recorder
 from .clock import SimClock
 from .cost import CostModel
 from .driving import SimDriving, SimHandle, SimulationPaused
@@ -85,12 +85,12 @@ class SimEngine(SimDriving, EngineShell):
         async_batching: override the resolved `use_async_batching` (None: keep it).
         telemetry: record typed events in `events` (as `cbnb.Engine`).
         event_log_size: events retained.
-        runs: the run log to keep (as `cbnb.Engine`'s): a `cbnb.runs.RunLog` (e.g. shared with a real engine, to
+        runs: the run log to keep (as `cbnb.Engine`'s): a `cbnb.lab.runs.RunLog` (e.g. shared with a real engine, to
             compare predicted and measured runs in one table), or a JSON-lines file path; None: a new log.
 
     Attributes (as `cbnb.Engine`'s): config, user_config, layout, memory, cache, core, events, device, vocab_size,
     max_positions, weight_bytes, model_id (the shape's Hugging Face id, for exports), tokenizer (None: prompts
-    are token ids), runs (the run log: every `cbnb.tuning.run_workload` and every `reconfigure`); and `now` (the
+    are token ids), runs (the run log: every `cbnb.lab.tuning.run_workload` and every `reconfigure`); and `now` (the
     virtual clock, seconds), `present` (the caller's instant on it), `steps` (`SimStep` per executed step),
     `driver_clock` (a `SimClock`: the tuning lab drives the simulation from the caller's thread).
 
@@ -240,7 +240,7 @@ class SimEngine(SimDriving, EngineShell):
 
     # ------------------------------------------------------------------------------------------ requests
     def encode(self, prompt: Any, chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt (token ids only: a SimEngine has no tokenizer; see `cbnb.prompts`)."""
+        """Token ids of a prompt (token ids only: a SimEngine has no tokenizer; see `cbnb.engine.prompts`)."""
         return prompt_ids(prompt, tokenizer=None, vocab_size=self.vocab_size, chat=chat)
 
     def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
@@ -309,7 +309,7 @@ class SimEngine(SimDriving, EngineShell):
             pb.wake.set()
         return handle
 
-    #: The `submit` keywords a simulation honours (`cbnb.engine_like`): all but those needing logits or text.
+    #: The `submit` keywords a simulation honours (`cbnb.engine.engine_like`): all but those needing logits or text.
     submit_keywords = frozenset(REQUEST_ARGS + ("prompt", "eos_token_id", "request_id", "chat", "source",
                                                 "arrival_s")) - frozenset(_NEEDS_A_MODEL)
     # response_format / json_schema are accepted but not listed: the server refuses them for a simulation.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan import StepResult, StepWork
+from ..core.plan import StepResult, StepWork
 from .cost import CostModel, StepCost, StepLoad
 
 __all__ = ["SimExecutor", "SIM_TOKEN"]

@@ -27,7 +27,7 @@ replayed). Read here (`read_vllm_result`), all times in seconds:
 
 The replay (`VllmRun.workload`): the same prompt and output lengths (random token ids), arriving at
 ``start_time - queue_time`` relative to the first (all at 0 for ``request_rate: "inf"``), closed loop at
-``max_concurrency`` when it is set (`cbnb.driver`), on `SimEngine` with the given config. Failed requests are left
+``max_concurrency`` when it is set (`cbnb.lab.driver`), on `SimEngine` with the given config. Failed requests are left
 out.
 
 The fit. Three factors of the profile: ``flops_efficiency`` (compute), ``bandwidth_efficiency`` (memory
@@ -88,7 +88,7 @@ class VllmRun:
         """The replay workload (random ids below `vocab_size`, the run's lengths and arrival times)."""
         import random
 
-        from ..workloads import FIRST_ID, Workload
+        from ..lab.workloads import FIRST_ID, Workload
 
         rng = random.Random(f"vllm:{os.path.basename(self.path)}:{seed}")
         prompts = [[rng.randrange(FIRST_ID, vocab_size) for _ in range(n)] for n in self.input_lens]
@@ -166,7 +166,7 @@ def _runs(files: Iterable[Any]) -> list[VllmRun]:
 
 def predict(run: VllmRun, shape: Any, profile: Any, config: Any = None, *, dtype: Any = None) -> dict[str, float]:
     """`FIGURES` of `run` replayed on `SimEngine(shape, profile, config)` (simulated seconds)."""
-    from ..tuning import run_workload
+    from ..lab.tuning import run_workload
     from .engine import SimEngine
 
     sim = SimEngine(shape, profile, config, dtype=dtype)

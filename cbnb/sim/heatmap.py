@@ -7,8 +7,8 @@ numbers, no dependencies) and `heatmap` (a plotly figure; plotly is imported onl
                                    "max_batch_tokens": [2048, 8192]}, repeats=1)
     heatmap(result, x="page_size", y="max_batch_tokens", facet="safety_margin").show()
 
-Each cell is the median of the point's repeats (`cbnb.runs.spread`); min and max are kept for the hover text. Works
-for any `cbnb.tuning.SweepResult` (real engine or simulator).
+Each cell is the median of the point's repeats (`cbnb.lab.runs.spread`); min and max are kept for the hover text. Works
+for any `cbnb.lab.tuning.SweepResult` (real engine or simulator).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..metrics import FIGURE_LABELS, higher_is_better
-from ..runs import spread
+from ..lab.metrics import FIGURE_LABELS, higher_is_better
+from ..lab.runs import spread
 
 __all__ = ["HeatmapGrid", "heatmap_grid", "heatmap"]
 
@@ -60,7 +60,7 @@ def heatmap_grid(result: Any, x: str, y: str, figure: str = "goodput_requests_pe
     """Arrange a sweep's medians of `figure` on the grid `x` by `y` (by `facet`).
 
     Args:
-        result: a `cbnb.tuning.SweepResult`.
+        result: a `cbnb.lab.tuning.SweepResult`.
         x, y, facet: config fields that the sweep's points set (``result.points``).
         figure: a run metric (e.g. "goodput_requests_per_s", "ttft_s_p99").
         workload: for a sweep over several workloads, the one to show (its label).

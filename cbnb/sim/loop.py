@@ -1,7 +1,7 @@
 """`VirtualLoop`: the engine loop's turns on a virtual clock, for `cbnb.sim.SimEngine` (torch-free).
 
-A turn is what `cbnb.phases.LoopState` does in one turn of `cbnb.loop.sync_loop` / `async_loop`, in the same
-order and through the same `cbnb.telemetry.Recorder` calls, with the runner replaced by the `CostModel`:
+A turn is what `cbnb.engine.phases.LoopState` does in one turn of `cbnb.engine.loop.sync_loop` / `async_loop`, in the same
+order and through the same `cbnb.telemetry.recorder.Recorder` calls, with the runner replaced by the `CostModel`:
 
 - **admit**: the requests whose arrival time has come (at most `MAX_SUBMISSIONS_PER_TURN` per turn, as the inbox
   hands them to the engine loop) go to `EngineCore.add`;
@@ -18,7 +18,7 @@ engine's loop finishes its step when the inbox has messages), and two resources 
 The step's tokens and predicted times come from the executor (`cbnb.sim.executor.SimExecutor`, the cost model in the
 runner's place); the clock is virtual (`now`, simulated seconds).
 
-**Step mode** (`cbnb.step_mode`): `one_step()` runs exactly one planning turn and applies its step, also with async
+**Step mode** (`cbnb.engine.step_mode`): `one_step()` runs exactly one planning turn and applies its step, also with async
 batching (a step in flight is applied before the loop holds, as the engine's loop does while `gated`). While
 `paused`, the engine (`cbnb.sim.SimEngine`) runs no other turn.
 """
@@ -32,11 +32,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..handle import HandleTable
-from ..inbox import MAX_SUBMISSIONS_PER_TURN
-from ..plan import StepWork
-from ..requests import Request
-from ..telemetry import Recorder
+from ..engine.handle import HandleTable
+from ..engine.inbox import MAX_SUBMISSIONS_PER_TURN
+from ..core.plan import StepWork
+from ..core.requests import Request
+from ..telemetry.recorder import Recorder
 from .cost import StepCost
 from .executor import SIM_TOKEN, SimExecutor
 
@@ -66,9 +66,9 @@ class VirtualLoop:
 
     Attributes:
         now: the virtual clock (seconds).
-        lock: held by every turn and by the engine's API calls that change state (`cbnb.shell.EngineShell`).
+        lock: held by every turn and by the engine's API calls that change state (`cbnb.engine.shell.EngineShell`).
         handles: the live request handles (`HandleTable`).
-        paused, step_rate: the step mode (`cbnb.step_mode`).
+        paused, step_rate: the step mode (`cbnb.engine.step_mode`).
         core, cache, layout, executor, async_batching: the parts in use (set by `install`).
         steps: every executed step (`SimStep`), in order of application.
         schedule_wall_s: host seconds spent in `EngineCore.schedule()` (the simulator's own cost).

@@ -2,7 +2,7 @@
 
 Default: 10,000 requests arriving as a Poisson process (exponential gaps, ``--rate`` requests per simulated second)
 on llama-3.1-8b / h100-sxm with transformers' default config resolved for the GPU: `production_poisson`, the
-tuning lab's generators (`cbnb.traffic`: Poisson arrivals; lognormal prompt and output lengths with means 550 and
+tuning lab's generators (`cbnb.lab.traffic`: Poisson arrivals; lognormal prompt and output lengths with means 550 and
 200 tokens, sigma 0.8, clipped to [16, 4096] and [8, 1024]), random ids, EOS ignored.
 It prints the host seconds of the whole simulation, the scheduler's share of them (`EngineCore.schedule`), and the
 simulated figures (span, output tok/s, TTFT/TPOT p50/p99). Target: <= 60 s for 10,000 requests.
@@ -21,10 +21,10 @@ __all__ = ["production_poisson", "poisson_requests", "simulate", "main"]
 
 def production_poisson(n: int = 10_000, rate: float = 20.0, *, vocab: int = 128256, seed: int = 0,
                        model: str = "shape:llama-3.1-8b") -> Any:
-    """A `cbnb.workloads.Workload` of `n` random-id requests: Poisson arrivals at `rate` per second, lognormal
+    """A `cbnb.lab.workloads.Workload` of `n` random-id requests: Poisson arrivals at `rate` per second, lognormal
     prompt (mean 550, sigma 0.8, [16, 4096]) and output (mean 200, sigma 0.8, [8, 1024]) lengths; seeded."""
-    from .. import traffic as tr
-    from ..workloads import synthetic
+    from ..lab import traffic as tr
+    from ..lab.workloads import synthetic
 
     return synthetic("production-poisson", n, tr.Poisson(rate), tr.LogNormal(550, 0.8, 16, 4096),
                      tr.LogNormal(200, 0.8, 8, 1024), model=model, vocab_size=vocab, seed=seed,

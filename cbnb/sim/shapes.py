@@ -11,7 +11,7 @@ Where a shape comes from (`load_shape(source)`):
   ``config.json`` path;
 - a bundled shape name (`SHAPE_NAMES`: smollm2-135m, gemma3-270m, qwen3-0.6b, llama-3.1-8b, qwen3-32b, gemma-3-27b),
   also with the ``shape:`` prefix; each file under ``cbnb/sim/data/shapes/`` cites the public config.json it copies;
-- a model cbnb has converted (``~/.cache/cbnb/<name>/config.json``, see `cbnb.models.model_cache_dir`);
+- a model cbnb has converted (``~/.cache/cbnb/<name>/config.json``, see `cbnb.engine.models.model_cache_dir`);
 - a Hugging Face id whose config is in the local HF cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
   ``~/.cache/huggingface/hub``); nothing is downloaded.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from ..cache.layout import KVLayout, layout_for, model_kv_spec
+from ..core.cache.layout import KVLayout, layout_for, model_kv_spec
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "DTYPE_BYTES"]
 
@@ -199,7 +199,7 @@ class ModelShape:
         return DTYPE_BYTES[self.dtype]
 
     def kv_spec(self) -> dict[str, Any]:
-        """`cbnb.cache.layout.model_kv_spec` of this shape, plus "intermediate_size" (what `plan_cache` reads)."""
+        """`cbnb.core.cache.layout.model_kv_spec` of this shape, plus "intermediate_size" (what `plan_cache` reads)."""
         ns = SimpleNamespace(num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
                              num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
                              hidden_size=self.hidden_size, vocab_size=self.vocab_size,
@@ -212,7 +212,7 @@ class ModelShape:
         return spec
 
     def layout(self, page_size: int, itemsize: int | None = None) -> KVLayout:
-        """The paged KV-cache geometry for `page_size` tokens per page (`cbnb.cache.layout.layout_for`)."""
+        """The paged KV-cache geometry for `page_size` tokens per page (`cbnb.core.cache.layout.layout_for`)."""
         return layout_for(self.kv_spec(), self.itemsize if itemsize is None else itemsize, page_size)
 
     def kv_bytes_per_token(self, itemsize: int | None = None) -> int:
@@ -287,7 +287,7 @@ def _hf_cache_dirs() -> list[pathlib.Path]:
 
 
 def _cbnb_cache_dir() -> pathlib.Path:
-    env = os.environ.get("CBNB_CACHE_DIR")  # same rule as cbnb.models.model_cache_dir (which imports torch)
+    env = os.environ.get("CBNB_CACHE_DIR")  # same rule as cbnb.engine.models.model_cache_dir (which imports torch)
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "cbnb"
 
 

@@ -8,7 +8,7 @@ sequences of step plans are identical, and gives the median and p90 absolute per
 N) and the wall-time error.
 
 The timed workload (cpu-poisson, arrival times): both engines are driven by the tuning lab's driver
-(`cbnb.tuning.run_workload`: the real one on the wall clock, the simulator on its virtual clock). Which requests
+(`cbnb.lab.tuning.run_workload`: the real one on the wall clock, the simulator on its virtual clock). Which requests
 share a step then depends on how long the steps took, so the plans are not compared ("timed" in the table); the
 per-step error is the cost model's prediction for each of the real engine's own steps (its plan from the
 StepPlanned record: query tokens, KV start, whether it samples) against that step's measured time, and the wall
@@ -89,7 +89,7 @@ def _steps_of(events: Any) -> tuple[dict[int, float], dict[int, Any], dict[int, 
 
 def _real_timed(model: Any, tokenizer: Any, wl: Any, cfg: Any) -> tuple[dict[int, float], float, Any, Any]:
     import cbnb
-    from cbnb.tuning import run_workload
+    from cbnb.lab.tuning import run_workload
 
     eng = cbnb.Engine(model, tokenizer, cfg)
     try:
@@ -117,7 +117,7 @@ def _replay_costs(planned: dict[int, Any], steps: dict[int, float], prompt_len: 
 
 
 def _timed_workload(name: str, profile: Any, model: Any, tokenizer: Any, wl: Any, cfg: Any) -> dict[str, Any]:
-    from cbnb.tuning import run_workload
+    from cbnb.lab.tuning import run_workload
 
     from .cost import CostModel
     from .engine import SimEngine
@@ -172,7 +172,7 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
                       seed: int = 0) -> dict[str, Any]:
     """Run one workload on the real engine and on the simulator; return the comparison (errors as fractions)."""
     import cbnb
-    from cbnb.workloads import get_workload
+    from cbnb.lab.workloads import get_workload
 
     from .shapes import load_shape
 
@@ -207,7 +207,7 @@ def predict(workload: str = "nanovllm-256", profile: str = "h200", *, shape: str
         {"workload", "profile", "shape", "dtype", "requests", "steps", "wall_s" (simulated), "output_tokens_per_s",
         "ttft_s_p50", "tpot_s_p50", "num_blocks", "page_size", "async_batching", "sim_host_s"}.
     """
-    from cbnb.workloads import get_workload
+    from cbnb.lab.workloads import get_workload
 
     from .engine import SimEngine
     from .shapes import load_shape

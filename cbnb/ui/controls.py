@@ -73,7 +73,7 @@ class ControlsPanel(Panel):
     # ------------------------------------------------------------------------------------------ actions
     def _no_step_mode(self) -> bool:
         """True (and says why) for an engine-like without the step mode (`cbnb.Engine` and `cbnb.sim.SimEngine` both
-        have it: `cbnb.step_mode`)."""
+        have it: `cbnb.engine.step_mode`)."""
         if all(hasattr(self.engine, a) for a in ("pause", "step", "resume", "set_step_rate")):
             return False
         self.show("This engine has no step mode (pause / step / resume); it runs at its own pace.", "info")

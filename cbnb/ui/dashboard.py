@@ -30,7 +30,7 @@ class Dashboard(widgets.VBox):
 
     Args:
         engine: a `cbnb.Engine` or a `cbnb.sim.SimEngine` (started or not; submitting starts it): the panels use
-            only the shared protocol, `cbnb.engine_like.EngineLike` (step mode included).
+            only the shared protocol, `cbnb.engine.engine_like.EngineLike` (step mode included).
         max_hz: update rate cap of the shared poller, in (0, 10].
         always_snapshot: take KV snapshots on every poll, also while the page map is off screen (the default: data
             never waits for the browser); False: only while a view of the map reports itself on screen.

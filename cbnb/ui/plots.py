@@ -73,7 +73,7 @@ class LivePlotsPanel(Panel):
 
     1. tokens per step, prefill vs decode, against `max_batch_tokens` (decode tokens also on their own right axis,
        so that they stay visible beside long prefills);
-    2. requests left out per step, stacked by reason (`cbnb.plan.SkipReason`; the meanings in `reason_info`);
+    2. requests left out per step, stacked by reason (`cbnb.core.plan.SkipReason`; the meanings in `reason_info`);
     3. KV usage by blocks and by tokens (% of the cache);
     4. prefix-cache hits in this run: tokens served, and their share of prompt tokens (%);
     5. offloads (swaps), soft resets and restores in this run, and CUDA-graph captures and replays (0 on CPU), with
@@ -116,7 +116,7 @@ class LivePlotsPanel(Panel):
         self.window = steps
 
     def _setup(self) -> None:
-        from ..explain import REASONS
+        from ..telemetry.explain import REASONS
 
         self._lib = plotly_lib().model_id
         self.reason_info = {r: {"label": i.label, "meaning": i.meaning, "fields": list(i.fields)}

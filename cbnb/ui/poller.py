@@ -33,7 +33,7 @@ class Frame:
 
     Attributes:
         wall: `time.time()` when the frame was read (seconds since the epoch).
-        events: new events since the previous frame (`cbnb.events.Event`), oldest first.
+        events: new events since the previous frame (`cbnb.telemetry.events.Event`), oldest first.
         dropped: events lost to the log's bound between two frames.
         event_wall: when the oldest new event was published to the log (`time.time()` scale; the engine appends a
             step's events when the step ends), or None without events.

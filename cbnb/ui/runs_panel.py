@@ -9,8 +9,8 @@ from typing import Any
 
 import traitlets
 
-from ..metrics import FIGURE_LABELS, KEY_FIGURES, higher_is_better
-from ..runs import RunLog, change_text, run_log, spread
+from ..lab.metrics import FIGURE_LABELS, KEY_FIGURES, higher_is_better
+from ..lab.runs import RunLog, change_text, run_log, spread
 from . import _assets
 from .base import Panel
 from .poller import Frame
@@ -209,7 +209,7 @@ class RunsPanel(Panel):
 
     def config_of(self, key: str) -> Any:
         """The `ContinuousBatchingConfig` of a group (its first run's config)."""
-        from ..config import ContinuousBatchingConfig
+        from ..core.config import ContinuousBatchingConfig
 
         row = next(r for r in self.rows if r["key"] == key)
         fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in row["config"].items()}

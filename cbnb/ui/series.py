@@ -17,11 +17,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..plan import SkipReason
+from ..core.plan import SkipReason
 
 __all__ = ["SKIP_REASONS", "IDLE_GAP_S", "RunSegments", "StepSeries", "TimeSeries"]
 
-#: The scheduler's skip reasons (`cbnb.plan.SkipReason`, plain data), which name the stacked bars.
+#: The scheduler's skip reasons (`cbnb.core.plan.SkipReason`, plain data), which name the stacked bars.
 SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
 
 #: Seconds without a new step after which the time charts break their lines (an idle engine, or a paused one).

@@ -240,7 +240,7 @@ def encode_kv(snapshot: Any) -> tuple[list[dict[str, Any]], bytes]:
         usable_blocks, reserved_blocks, offset into the bytes, padding_blocks, counts per state name; the cells of all groups concatenated, uint8, state code in bits
         0-2 and min(refcount, 31) in bits 3-7).
     """
-    from ..cache.snapshot import BlockState
+    from ..core.cache.snapshot import BlockState
 
     meta = []
     parts = []
@@ -269,7 +269,7 @@ def kv_block_details(snapshot: Any, group: int, block: int) -> dict[str, Any]:
     Raises:
         ValueError: for a group or block index outside the snapshot.
     """
-    from ..cache.snapshot import BlockState
+    from ..core.cache.snapshot import BlockState
 
     if not (0 <= group < len(snapshot.groups)):
         raise ValueError(f"group must be in [0, {len(snapshot.groups)}); got {group}")

@@ -19,7 +19,7 @@ class SubmitPanel(Panel):
     Temperature 0 means greedy decoding; above 0 it samples at that temperature.
 
     Synced state: `prompt` (str), `max_new_tokens` (int >= 1), `temperature` (float >= 0), `workload` (a name from
-    `cbnb.workloads.WORKLOADS`), `workload_scale` (float in (0, 1]), `chat_template` (bool, read-only),
+    `cbnb.lab.workloads.WORKLOADS`), `workload_scale` (float in (0, 1]), `chat_template` (bool, read-only),
     `last_ids` (ids of the latest submissions).
 
     Bad input (empty prompt, out-of-range numbers, a stopped engine) is shown on the panel's message line.
@@ -38,7 +38,7 @@ class SubmitPanel(Panel):
     def _setup(self) -> None:
         from collections import deque
 
-        from ..workloads import WORKLOADS
+        from ..lab.workloads import WORKLOADS
 
         # Gesture ids of the submissions handled (newest last): a message that arrives twice for one click (a
         # double click, a re-sent message) submits once.
@@ -94,12 +94,12 @@ class SubmitPanel(Panel):
         return handle
 
     def run_workload(self, name: str | None = None, scale: float | None = None) -> list[Any]:
-        """Submit a standard workload (`cbnb.workloads.get_workload(name, scale=scale)`; EOS ignored, greedy).
+        """Submit a standard workload (`cbnb.lab.workloads.get_workload(name, scale=scale)`; EOS ignored, greedy).
 
         Returns:
             the `RequestHandle`s ([] when refused; the reason is shown on the panel).
         """
-        from ..workloads import get_workload
+        from ..lab.workloads import get_workload
 
         name = self.workload if name is None else name
         scale = self.workload_scale if scale is None else scale

@@ -67,7 +67,7 @@ class TimelinePanel(Panel):
     seed_events = 20_000
 
     def _setup(self) -> None:
-        from ..explain import REASONS
+        from ..telemetry.explain import REASONS
 
         self.reason_info = {r: {"label": i.label, "meaning": i.meaning} for r, i in REASONS.items()}
         self._seed_last = None

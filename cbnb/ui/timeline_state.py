@@ -234,7 +234,7 @@ class TimelineState:
         Raises:
             ValueError: the request or the step is not in the window.
         """
-        from ..explain import REASONS, reason_numbers
+        from ..telemetry.explain import REASONS, reason_numbers
 
         slot, c = self._row(request_id), self._col(int(step))
         if slot is None:

@@ -37,7 +37,7 @@ class WhyPanel(Panel):
 
     def explain(self, request_id: str | None) -> None:
         """Show the story of `request_id` (None or "": close the view)."""
-        from ..explain import StoryBuilder
+        from ..telemetry.explain import StoryBuilder
 
         with self._lock:
             if not request_id:

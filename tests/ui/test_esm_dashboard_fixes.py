@@ -163,7 +163,7 @@ def test_config_rows_wrap_at_2x_and_cut_no_value(page, tiny_engine):
 
 # ---------------------------------------------------------------------------------------------- timeline
 def timeline_panel(tiny_engine):
-    from cbnb.events import RequestAdded, StepPlanned
+    from cbnb.telemetry.events import RequestAdded, StepPlanned
     from cbnb.ui.poller import Frame
     from cbnb.ui.series import SKIP_REASONS
     from cbnb.ui.timeline import TimelinePanel
@@ -219,7 +219,7 @@ def test_timeline_states_have_distinct_colours_in_both_themes(page, tiny_engine)
     from cbnb.ui.series import SKIP_REASONS
 
     tl = timeline_panel(tiny_engine)
-    from cbnb.events import Offload, RequestDone, Restore, StepPlanned
+    from cbnb.telemetry.events import Offload, RequestDone, Restore, StepPlanned
     from cbnb.ui.poller import Frame
 
     # One request for every other state: swapped out / in swap, soft reset, finished, failed, cancelled.
@@ -311,13 +311,13 @@ def test_plots_newest_bar_is_whole_and_run_labels_stay_inside(page, tiny_engine)
 
 
 def test_notebook_chart_template_on_a_dark_page(page):
-    """The plotly template of notebooks 03/04 (cbnb.plot_theme) drawn by plotly.js on a dark page: no white paper
+    """The plotly template of notebooks 03/04 (cbnb.ui.plot_theme) drawn by plotly.js on a dark page: no white paper
     or plot area, and text that reads on the dark background and on a light one."""
     pio = pytest.importorskip("plotly.io")
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from cbnb.plot_theme import use_theme_template
+    from cbnb.ui.plot_theme import use_theme_template
     from cbnb.ui.plots import _plotly_js
 
     saved = pio.templates.default

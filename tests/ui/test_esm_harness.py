@@ -34,7 +34,7 @@ def page():
 
 
 class _Eng:
-    from cbnb.events import EventLog
+    from cbnb.telemetry.events import EventLog
 
     events = EventLog(10)
 
@@ -42,7 +42,7 @@ class _Eng:
 @pytest.fixture(scope="module")
 def tiny_engine():
     import cbnb
-    from cbnb.models import load_model
+    from cbnb.engine.models import load_model
 
     model, _ = load_model("tiny:llama")
     return cbnb.Engine(model, None, cbnb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64))
@@ -182,7 +182,7 @@ def test_submit_and_stream_buttons_send_messages(page, tiny_engine):
 
 
 def test_stream_token_hover_shows_logprob_and_alternatives(page, tiny_engine):
-    from cbnb.requests import RequestOutput, RequestState, TokenLogprob
+    from cbnb.core.requests import RequestOutput, RequestState, TokenLogprob
     from cbnb.ui.stream import TokenStreamPanel
     from cbnb.ui.state import TextTracker, stream_items
 
@@ -207,7 +207,7 @@ def test_stream_token_hover_shows_logprob_and_alternatives(page, tiny_engine):
 
 
 def test_board_shows_errors_and_admission_warnings(page, tiny_engine):
-    from cbnb.requests import RequestOutput, RequestState
+    from cbnb.core.requests import RequestOutput, RequestState
     from cbnb.ui.board import RequestBoardPanel
     from cbnb.ui.state import request_rows
 
@@ -307,7 +307,7 @@ def test_plots_all_eight_reasons_have_distinct_colours_and_meanings(page, tiny_e
 
 def test_timeline_draws_256_requests_by_500_steps(page, tiny_engine):
     """Draw time of the request timeline at its bound (256 requests x 500 steps), in Chromium; and a hover."""
-    from cbnb.events import RequestAdded, StepPlanned
+    from cbnb.telemetry.events import RequestAdded, StepPlanned
     from cbnb.ui.poller import Frame
     from cbnb.ui.timeline import TimelinePanel
 

@@ -23,10 +23,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CELLS = [
     "import cbnb\n"
     "from cbnb import traffic as tr\n"
-    "from cbnb.peers import HFContinuousBatching\n"
-    "from cbnb.tuning import run_workload, sweep\n"
+    "from cbnb.lab.peers import HFContinuousBatching\n"
+    "from cbnb.lab.tuning import run_workload, sweep\n"
     "from cbnb.ui import Dashboard\n"
-    "from cbnb.workloads import synthetic\n"
+    "from cbnb.lab.workloads import synthetic\n"
     "model, _ = cbnb.load_model('tiny:llama')\n"
     "base = cbnb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64)\n"
     "engine = cbnb.Engine(model, None, base).start()\n"
