@@ -9,14 +9,21 @@ from pathlib import Path
 
 import cbnb
 
-CORE = ["cbnb.core.config", "cbnb.core.requests", "cbnb.core.cache.layout", "cbnb.core.cache.pool", "cbnb.core.cache.allocators",
-        "cbnb.core.cache.prefix", "cbnb.core.cache.swap", "cbnb.core.cache.manager", "cbnb.core.cache.sizing", "cbnb.core.cache.snapshot",
-        "cbnb.core.scheduler", "cbnb.core.offload", "cbnb.core.engine_core", "cbnb.telemetry.events", "cbnb.telemetry.stats", "cbnb.lab.workloads",
-        # the engine's runner-agnostic parts, shared with the simulator
-        "cbnb.core.plan", "cbnb.telemetry.recorder", "cbnb.engine.inbox", "cbnb.engine.handle", "cbnb.engine.prompts", "cbnb.engine.phases", "cbnb.engine.loop",
-        "cbnb.telemetry.explain", "cbnb.engine.step_mode", "cbnb.core.sampling_params", "cbnb.core.generation", "cbnb.engine.stops",
-        # the engine shell both engines share, its protocol, run segments, the incremental detokenizer
-        "cbnb.engine.shell", "cbnb.engine.engine_like", "cbnb.core.segments", "cbnb.engine.detok"]
+# cbnb.core: the deciding side (config, requests, the KV cache, scheduler, offload policy, EngineCore, plain step data).
+CORE = ["cbnb.core", "cbnb.core.config", "cbnb.core.requests", "cbnb.core.sampling_params", "cbnb.core.generation",
+        "cbnb.core.plan", "cbnb.core.scheduler", "cbnb.core.offload", "cbnb.core.engine_core", "cbnb.core.segments",
+        "cbnb.core.cache", "cbnb.core.cache.layout", "cbnb.core.cache.pool", "cbnb.core.cache.allocators",
+        "cbnb.core.cache.prefix", "cbnb.core.cache.swap", "cbnb.core.cache.manager", "cbnb.core.cache.sizing",
+        "cbnb.core.cache.snapshot",
+        # cbnb.telemetry: the Recorder, events, stats, a request's story
+        "cbnb.telemetry", "cbnb.telemetry.recorder", "cbnb.telemetry.events", "cbnb.telemetry.stats",
+        "cbnb.telemetry.explain",
+        # the engine's runner-agnostic parts, shared with the simulator: the loop, its phases, the inbox, handles,
+        # prompts, the step mode, stop strings, the shell both engines share, its protocol, incremental detokenizer
+        "cbnb.engine", "cbnb.engine.inbox", "cbnb.engine.handle", "cbnb.engine.prompts", "cbnb.engine.phases",
+        "cbnb.engine.loop", "cbnb.engine.step_mode", "cbnb.engine.stops", "cbnb.engine.shell",
+        "cbnb.engine.engine_like", "cbnb.engine.detok",
+        "cbnb.lab.workloads"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
        "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
@@ -46,13 +53,25 @@ def test_sim_imports_and_simulates_without_torch():
 
 
 # The tuning lab drives any engine-like object, the simulator's too: it imports no torch either.
-LAB = ["cbnb.lab.traffic", "cbnb.lab.driver", "cbnb.lab.metrics", "cbnb.lab.runs", "cbnb.lab.tuning", "cbnb.export", "cbnb.lab.peers"]
+LAB = ["cbnb.lab", "cbnb.lab.traffic", "cbnb.lab.traces", "cbnb.lab.mooncake", "cbnb.lab.workloads", "cbnb.lab.driver",
+       "cbnb.lab.metrics", "cbnb.lab.runs", "cbnb.lab.tuning", "cbnb.lab.load_sweep", "cbnb.export", "cbnb.lab.peers",
+       "cbnb.tuning"]
 
 
 def test_tuning_lab_does_not_import_torch():
     mods = _loaded_after("\n".join(f"import {m}" for m in LAB))
     assert "torch" not in mods and "transformers" not in mods and "pandas" not in mods
     assert set(LAB) <= mods
+
+
+def test_public_aliases():
+    # cbnb.tuning is the lab's module itself (not a copy); the public names of the package keep working.
+    import cbnb.lab.tuning
+    import cbnb.tuning
+
+    assert cbnb.tuning is cbnb.lab.tuning and cbnb.tuning.sweep is cbnb.lab.tuning.sweep
+    assert cbnb.ContinuousBatchingConfig.__module__ == "cbnb.core.config"
+    assert cbnb.Engine.__module__ == "cbnb.engine.engine" and cbnb.load_model.__module__ == "cbnb.engine.models"
 
 
 def test_engine_imports_without_ui_or_gguf():
