@@ -1,7 +1,9 @@
 """cbnb: a Jupyter-native continuous-batching LLM inference engine that shows its own insides.
 
-Public names are loaded lazily, so `import cbnb.core.scheduler` (or `cbnb.core.config`, `cbnb.core.cache`, ...) stays torch-free
-and `import cbnb` needs neither ipywidgets, plotly nor gguf.
+Public names are loaded lazily, so `import cbnb.core.scheduler` (or `cbnb.core.config`, `cbnb.core.cache`, ...)
+stays torch-free and `import cbnb` needs neither ipywidgets, plotly nor gguf. The layout, one subpackage per layer
+(`core`, `engine`, `telemetry`, `runner`, `sim`, `lab`, `export`, `server`, `ui`, `bench`), is mapped in
+docs/architecture.md; `cbnb.tuning` is `cbnb.lab.tuning`.
 """
 
 from __future__ import annotations
