@@ -2,11 +2,11 @@
 
 ::
 
-                    ┌──────────────── EngineShell (this module + cbnb.engine.step_mode) ────────────────┐
+                    ┌──────────── EngineShell (this module + cbnb.engine.step_mode) ─────────────┐
     submit/cancel ─▶│ handles, step mode, reconfigure bookkeeping, stats, snapshot, explain, ... │
                     └───────────────┬───────────────────────────────────────────┬───────────────┘
                          cbnb.Engine│                                           │cbnb.sim.SimEngine
-          loop: cbnb.engine.phases.LoopState (thread, inbox)          loop: cbnb.sim.loop.VirtualLoop (caller or playback)
+          loop: cbnb.engine.phases.LoopState (thread, inbox)   loop: cbnb.sim.loop.VirtualLoop (caller or playback)
           executor: the model runner (cbnb.runner)             executor: cbnb.sim.executor.SimExecutor (cost model)
           clock: wall (time.perf_counter)                      clock: virtual (simulated seconds)
 

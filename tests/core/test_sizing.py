@@ -90,7 +90,7 @@ def test_runner_static_logits_match_the_sizing():
 def test_engine_and_simulator_size_through_one_path(monkeypatch):
     # `Engine.plan_memory` (its builder) and `SimEngine` both call `sizing.plan_memory`: given the same free memory,
     # the same model and config, they size the same cache, CUDA-graph memory included on a GPU.
-    from cbnb import build
+    from cbnb.engine import build
     from cbnb.core.cache.sizing import plan_memory
     from cbnb.sim import HardwareProfile, SimEngine, load_shape
 

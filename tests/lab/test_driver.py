@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.lab.driver import Driver, WallClock
 from cbnb.lab.metrics import summarize
 from cbnb.lab.workloads import synthetic

@@ -9,7 +9,7 @@ import pytest
 
 import cbnb
 import cbnb.lab.runs
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.lab.runs import run_log
 from cbnb.lab.tuning import reconfigure, run_workload
 from cbnb.lab.workloads import synthetic

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.runs import Run, RunLog, run_log
 from cbnb.lab.tuning import best, reconfigure, run_workload, sweep

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.lab.workloads import WORKLOADS, from_trace, get_workload, synthetic, with_arrivals
 
 N = 10_000

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.mooncake import from_mooncake, read_mooncake
 from cbnb.sim import SimEngine

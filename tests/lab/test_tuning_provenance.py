@@ -3,7 +3,7 @@ when simulated points differ by less than the profile's error."""
 
 from __future__ import annotations
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.runs import Run
 from cbnb.sim import SimEngine

@@ -339,7 +339,7 @@ def test_prefix_sharing_graphs_async():
 def test_token_times_reach_outputs_and_driver_records(async_):
     """Per-token times go from the loop's apply (the sync loop, or the async one collecting step N after launching
     N+1) through the handle's lazily built output to `RequestOutput.token_times` and the driver's records."""
-    from cbnb import traffic as tr
+    from cbnb.lab import traffic as tr
     from cbnb.lab.tuning import run_workload
     from cbnb.lab.workloads import synthetic
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.sim import SimEngine
 from cbnb.sim.fit_vllm import FIGURES, fit_profile, predict, read_vllm_result
 from cbnb.sim.profiles import load_profile

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cbnb import traffic as tr
+from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.metrics import SLO
 from cbnb.core.requests import RequestState

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CELLS = [
     "import cbnb\n"
-    "from cbnb import traffic as tr\n"
+    "from cbnb.lab import traffic as tr\n"
     "from cbnb.lab.peers import HFContinuousBatching\n"
     "from cbnb.lab.tuning import run_workload, sweep\n"
     "from cbnb.ui import Dashboard\n"
