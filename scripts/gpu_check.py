@@ -27,8 +27,9 @@ published by then is kept), and prints the plan with each part's cap first:
 8. ``variants``: the rest of the graphs x async matrix at ``--scale``, while time is left.
 
 ``--cpu-smoke`` runs every part's code path on CPU (tiny shapes, Triton's interpreter, the CUDA runner with fake
-graphs; each part a fork of one process that imported torch once) in under a minute; CI runs it (``tests/runner/test_gpu_check.py``). Run from the repository root with the
-machine's python3 (no virtualenv; no gguf/ipywidgets needed)::
+graphs; each part a fork of one process that imported torch once) in under a minute; CI runs it
+(``tests/runner/test_gpu_check.py``). Run from the repository root with the machine's python3 (no virtualenv; no
+gguf/ipywidgets needed)::
 
     scripts/gpu_check.sh            # = python3 scripts/gpu_check.py --out "${OUT:-gpu_check_out}"
 """

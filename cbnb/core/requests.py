@@ -69,8 +69,8 @@ class RequestState(enum.IntEnum):
 
 
 #: Finish reasons of a terminal request: FINISHED ends with "eos", "length", "stop" (a stop string appeared, see
-#: `cbnb.engine.stops`) or "cache_exhausted" (it outgrew the whole KV cache, see `cbnb.core.engine_core`); CANCELLED with "cancelled";
-#: FAILED with "error".
+#: `cbnb.engine.stops`) or "cache_exhausted" (it outgrew the whole KV cache, see `cbnb.core.engine_core`); CANCELLED
+#: with "cancelled"; FAILED with "error".
 CACHE_EXHAUSTED = "cache_exhausted"
 FINISH_REASONS = ("eos", "length", "stop", CACHE_EXHAUSTED, "cancelled", "error")
 

@@ -27,8 +27,8 @@ logprobs = k > 0, the k most likely tokens of that distribution with theirs (Ope
 
 `stop`: strings that end the request once they appear in the generated text (see `cbnb.engine.stops`).
 
-`grammar`: structured output (`cbnb.engine.structured.CompiledGrammar`, built by `Engine.submit` from `response_format` /
-`json_schema`): after the processors, every token the grammar does not allow at that point is -inf (greedy and
+`grammar`: structured output (`cbnb.engine.structured.CompiledGrammar`, built by `Engine.submit` from `response_format`
+/ `json_schema`): after the processors, every token the grammar does not allow at that point is -inf (greedy and
 sampled rows alike; see `cbnb.runner.grammar`).
 
 Every bad value raises `ValueError` naming the field and its allowed range; `check_vocab` checks token ids against a

@@ -9,8 +9,8 @@ window's text ends with U+FFFD (an incomplete UTF-8 character) nothing is emitte
 token completes it; then the offsets move to ``(read_offset, len(ids))``. Each push therefore decodes O(window)
 tokens and a whole generation O(n), where re-decoding everything on every token is O(n^2).
 
-One instance serves a request's streamed text, its stop-string search (`cbnb.engine.stops.StopMatcher`) and its final text
-(`text` after ``push(..., final=True)`` is ``decode(ids)``): the tests hold it to a full decode, byte for byte,
+One instance serves a request's streamed text, its stop-string search (`cbnb.engine.stops.StopMatcher`) and its final
+text (`text` after ``push(..., final=True)`` is ``decode(ids)``): the tests hold it to a full decode, byte for byte,
 including multi-byte characters split over tokens. In the rare case a tokenizer's clean-up rewrites a window's
 earlier text (so the window's text does not start with the emitted part), the whole sequence is decoded once and the
 difference taken (counted in `full_decodes`).

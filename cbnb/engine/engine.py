@@ -12,10 +12,10 @@
 
 This module is the model half of the public API; the lifecycle it shares with `cbnb.sim.SimEngine` (generate,
 cancel_all, step mode, stats, snapshot, explain, serve) is `cbnb.engine.shell.EngineShell`. The work is split by job:
-`cbnb.engine.loop` (the engine thread and its sync / async step loops), `cbnb.engine.phases` (the loop's state and the phases of a
-turn), `cbnb.engine.inbox` (messages to the loop), `cbnb.engine.handle` (request handles and streaming), `cbnb.engine.prompts` (prompt
-forms and request arguments), `cbnb.telemetry.recorder` (events and stats), `cbnb.engine.build` (cache sizing and the parts of one
-config), `cbnb.core.engine_core` (the torch-free decisions).
+`cbnb.engine.loop` (the engine thread and its sync / async step loops), `cbnb.engine.phases` (the loop's state and the
+phases of a turn), `cbnb.engine.inbox` (messages to the loop), `cbnb.engine.handle` (request handles and streaming),
+`cbnb.engine.prompts` (prompt forms and request arguments), `cbnb.telemetry.recorder` (events and stats),
+`cbnb.engine.build` (cache sizing and the parts of one config), `cbnb.core.engine_core` (the torch-free decisions).
 
 Notebook lifetime: an Engine that nothing references any more (a re-run cell rebinding its name, ``del engine``)
 stops by itself: unfinished requests end CANCELLED, its KV pool is freed, and the model's attention implementation
@@ -72,7 +72,8 @@ class Engine(ThreadedStepMode, EngineShell):
         generation_config: a transformers `GenerationConfig` (or a dict of its fields) giving every request its
             defaults, as ``init_continuous_batching(generation_config=...)``; None: ``model.generation_config``. A
             request's own arguments override it (`submit`). Logits processors cbnb does not implement follow
-            `config.drop_unsupported_processors` (dropped with a warning, or a `ValueError`); see `cbnb.core.generation`.
+            `config.drop_unsupported_processors` (dropped with a warning, or a `ValueError`); see
+            `cbnb.core.generation`.
         runs: the run log to keep: a `cbnb.lab.runs.RunLog` (e.g. shared with another engine), or a JSON-lines file
             path to persist it (its entries are loaded first, so a restarted notebook keeps its history; every new
             entry is appended; a file keeps the base config it was started with); None: a fresh in-memory log

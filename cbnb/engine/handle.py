@@ -3,8 +3,8 @@
 A `RequestHandle` is the caller's side of one request: iterate it (sync or ``async for``) for `TokenDelta`s, or wait
 for its `RequestOutput` with `result()`. The engine thread pushes token ids into the handle's queue without bound
 (the loop never waits on a consumer); text is decoded on the consumer's side, incrementally
-(`cbnb.engine.detok.IncrementalDetokenizer`: a short tail window per delta, an incomplete UTF-8 tail held back), and so is
-the final `RequestOutput` (built from the terminal request when first asked): a streamed request's final text is
+(`cbnb.engine.detok.IncrementalDetokenizer`: a short tail window per delta, an incomplete UTF-8 tail held back), and so
+is the final `RequestOutput` (built from the terminal request when first asked): a streamed request's final text is
 its stream's, so no token is decoded twice.
 
 Waiting and interrupts: a ``KeyboardInterrupt`` (a notebook's interrupt button) that arrives while the caller waits

@@ -24,7 +24,8 @@ overrides both. Both loops apply a step in flight before holding (`gated`), so "
 last step was applied".
 
 **Lifetime.** A `LoopState` holds no reference to its `Engine` (the thread runs `cbnb.engine.loop.run(state)`), so an
-Engine nobody references is collected, and its finalizer (`cbnb.engine.loop.finalize`) stops the loop and drops the pool.
+Engine nobody references is collected, and its finalizer (`cbnb.engine.loop.finalize`) stops the loop and drops the
+pool.
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@
           executor: the model runner (cbnb.runner)             executor: cbnb.sim.executor.SimExecutor (cost model)
           clock: wall (time.perf_counter)                      clock: virtual (simulated seconds)
 
-Both loops drive the same `cbnb.core.engine_core.EngineCore` and record through the same `cbnb.telemetry.recorder.Recorder`, so the
-same calls give the same event kinds in the same order, and everything here (and every fix to it) reaches both
-engines at once. What a subclass provides:
+Both loops drive the same `cbnb.core.engine_core.EngineCore` and record through the same
+`cbnb.telemetry.recorder.Recorder`, so the same calls give the same event kinds in the same order, and everything here
+(and every fix to it) reaches both engines at once. What a subclass provides:
 
 - ``_loop``: the loop's state, with ``lock`` (an RLock every phase that changes state holds), ``recorder``,
   ``core``, ``cache``, ``handles`` (a `cbnb.engine.handle.HandleTable`), ``recent`` (the last ended requests),
   ``paused`` and ``step_rate`` (the step mode);
 - ``memory`` (the cache's `MemoryPlan`), ``runs`` (the run log), ``tokenizer`` (None: no text), ``engine_name``;
-- ``cancel``, ``submit``, ``reconfigure``, ``start``, ``stop`` and the step mode's three hooks (`cbnb.engine.step_mode`);
-  ``_swap_bytes()``, ``_untaken()``.
+- ``cancel``, ``submit``, ``reconfigure``, ``start``, ``stop`` and the step mode's three hooks
+  (`cbnb.engine.step_mode`); ``_swap_bytes()``, ``_untaken()``.
 
 The protocol the rest of cbnb relies on is written down in `cbnb.engine.engine_like.EngineLike`.
 """

@@ -1,7 +1,7 @@
 """Step-by-step mode, for teaching: `pause`, `step`, `resume` and the slow-motion cap `set_step_rate` (torch-free).
 
-A mixin of `cbnb.engine.shell.EngineShell`, so `cbnb.Engine` and `cbnb.sim.SimEngine` have the same step mode. It keeps the
-arguments' checks and the shared state (``self._loop.paused``, ``self._loop.step_rate``); how a loop holds and runs
+A mixin of `cbnb.engine.shell.EngineShell`, so `cbnb.Engine` and `cbnb.sim.SimEngine` have the same step mode. It keeps
+the arguments' checks and the shared state (``self._loop.paused``, ``self._loop.step_rate``); how a loop holds and runs
 one step is the engine's: three hooks, ``_wake()`` (the loop should look at the flags now), ``_hold(timeout) ->
 bool`` (wait until the loop holds after its last applied step) and ``_one_step(timeout) -> int | None`` (run exactly
 one scheduling step, then hold).
@@ -124,8 +124,8 @@ class StepMode:
 
 
 class ThreadedStepMode(StepMode):
-    """The hooks for an engine whose loop is a `cbnb.engine.phases.LoopState` on its own thread (`cbnb.Engine`): the loop
-    holds in `LoopState.begin_turn()`, and a single step is a `StepOnce` control message."""
+    """The hooks for an engine whose loop is a `cbnb.engine.phases.LoopState` on its own thread (`cbnb.Engine`): the
+    loop holds in `LoopState.begin_turn()`, and a single step is a `StepOnce` control message."""
 
     def _wake(self) -> None:
         self._loop.inbox.wakeup.set()

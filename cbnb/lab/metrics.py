@@ -2,8 +2,8 @@
 
 Definitions (the vocabulary of vLLM's ``bench serve`` and SGLang's ``bench_serving``):
 
-- percentiles: nearest rank (`cbnb.telemetry.stats.percentiles`), over finished requests; ITL pools every gap between two
-  consecutive tokens of every finished request;
+- percentiles: nearest rank (`cbnb.telemetry.stats.percentiles`), over finished requests; ITL pools every gap between
+  two consecutive tokens of every finished request;
 - duration: the run's start (t = 0, the first arrival) to the last request's end;
 - throughput: output tokens of finished requests / duration (``output_tokens_per_s``); finished requests / duration
   (``requests_per_s``);

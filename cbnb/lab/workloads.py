@@ -287,7 +287,8 @@ def with_arrivals(workload: Workload, arrivals: Any, *, seed: int | None = None,
 def from_trace(path: str | os.PathLike | Sequence[tr.TraceRow], *, name: str | None = None,
                model: str = "smollm2-135m", vocab_size: int = 49152, seed: int = 0, tokenizer: Any = None,
                config_hints: dict[str, Any] | None = None, block_size: int = 512) -> Workload:
-    """A workload from a JSONL/CSV trace (`cbnb.lab.traffic.read_trace`), or from its rows: one request per row, in order.
+    """A workload from a JSONL/CSV trace (`cbnb.lab.traffic.read_trace`), or from its rows: one request per row, in
+    order.
 
     Rows with ``prompt_tokens`` get that many seeded random ids; rows with ``prompt`` text are tokenised with
     `tokenizer` when given (``tokenizer(text)["input_ids"]``), else kept as text for the engine to tokenise.

@@ -1,4 +1,5 @@
-"""Grammar masks for the rows of a step (structured output, `cbnb.engine.structured`), one llguidance matcher per request.
+"""Grammar masks for the rows of a step (structured output, `cbnb.engine.structured`), one llguidance matcher per
+request.
 
 Per step, `Constraints.masks` gives the token bitmask ``[g, W]`` (int32, ``W = ceil(V / 32)``, bit ``t % 32`` of
 word ``t // 32`` set when token t is allowed) of the step's g constrained rows; `apply` turns it into -inf on the

@@ -17,8 +17,8 @@ answered with 400 "not supported yet: <field>" when the value would change the o
 (`best_of=1`, `suffix=""`) is accepted.
 
 Structured output (chat): `response_format` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-{...}}`` goes to the engine's `response_format` (a grammar mask, `cbnb.engine.structured`); a schema that does not compile
-is a 400 naming `response_format`. Tools (chat): `tools`, `tool_choice` ("none", "auto", "required" or
+{...}}`` goes to the engine's `response_format` (a grammar mask, `cbnb.engine.structured`); a schema that does not
+compile is a 400 naming `response_format`. Tools (chat): `tools`, `tool_choice` ("none", "auto", "required" or
 ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls`; "required" and a named function
 become the engine's `json_schema` (one valid call, `cbnb.server.tools.call_schema`), so they cannot be combined
 with `response_format`; assistant messages may carry `tool_calls` and tool messages `tool_call_id`.

@@ -4,9 +4,9 @@
 - `HardwareProfile` / `load_profile`: a device's memory, FLOP/s, bandwidths and overheads (datasheet GPUs, and
   ``cpu`` measured here by `calibrate()`);
 - `CostModel`: seconds per step from the step's plan (a per-operator roofline plus overheads);
-- `SimEngine`: the real `cbnb.core.engine_core.EngineCore` on a virtual clock, costed by the `CostModel`, with `cbnb.Engine`'s
-  read API, events and statistics (so `cbnb.ui.Dashboard(sim)` works); caller-driven (`run`, `run_until`) or on a
-  playback thread (`start(speed=...)`).
+- `SimEngine`: the real `cbnb.core.engine_core.EngineCore` on a virtual clock, costed by the `CostModel`, with
+  `cbnb.Engine`'s read API, events and statistics (so `cbnb.ui.Dashboard(sim)` works); caller-driven (`run`,
+  `run_until`) or on a playback thread (`start(speed=...)`).
 
 - the tuning lab (`cbnb.lab.tuning`: run_workload, sweep, best; the Runs panel) takes a `SimEngine` (its virtual
   `driver_clock`, `cbnb.sim.clock`); `cbnb.sim.heatmap` plots a sweep's figure over two config fields and

@@ -1,10 +1,10 @@
 """`SimClock`: the tuning lab's driver clock over a `SimEngine` (virtual time, driven from the caller's thread).
 
 `cbnb.lab.driver.Driver` and `cbnb.lab.tuning` (run_workload, sweep, measure_capacity) take it from the engine's
-``driver_clock`` (see the clock protocol in `cbnb.lab.driver`): ``sleep_until(t)`` runs the simulation to simulated second
-``t`` (every step that starts before ``t``), ``now()`` is the caller's present (``t`` then, even when the step running
-at ``t`` ends later: a request submitted at that instant arrives while that step runs and waits for it, as on the
-real engine), ``drain()`` runs until every submitted request has ended. Torch-free.
+``driver_clock`` (see the clock protocol in `cbnb.lab.driver`): ``sleep_until(t)`` runs the simulation to simulated
+second ``t`` (every step that starts before ``t``), ``now()`` is the caller's present (``t`` then, even when the step
+running at ``t`` ends later: a request submitted at that instant arrives while that step runs and waits for it, as on
+the real engine), ``drain()`` runs until every submitted request has ended. Torch-free.
 """
 
 from __future__ import annotations

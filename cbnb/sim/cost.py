@@ -74,7 +74,8 @@ class StepLoad:
 
     @classmethod
     def from_work(cls, work: Any, layout: Any) -> "StepLoad":
-        """Read a `cbnb.core.engine_core.StepWork`: scheduled requests, swap-outs and restores (bytes per block per group)."""
+        """Read a `cbnb.core.engine_core.StepWork`: scheduled requests, swap-outs and restores (bytes per block per
+        group)."""
         rows = tuple(RowLoad(s.start, s.num_tokens, s.samples) for s in work.plan.scheduled)
         nbytes = 0
         for _, so in work.swap_outs:

@@ -1,13 +1,13 @@
 """`SimEngine`: the engine shell on a virtual clock, with the cost model as its executor (torch-free).
 
-`SimEngine` is `cbnb.engine.shell.EngineShell`, the lifecycle `cbnb.Engine` has too (generate, cancel_all, the step mode,
-reconfigure's run segments, stats, reset_stats, snapshot, memory_split, explain, serve), with two parts injected:
+`SimEngine` is `cbnb.engine.shell.EngineShell`, the lifecycle `cbnb.Engine` has too (generate, cancel_all, the step
+mode, reconfigure's run segments, stats, reset_stats, snapshot, memory_split, explain, serve), with two parts injected:
 the executor `cbnb.sim.executor.SimExecutor` (the `CostModel` in the runner's place: placeholder tokens and a step
 cost) and a virtual clock (`now`, simulated seconds). It drives the real `cbnb.core.engine_core.EngineCore` (the same
 schedulers, cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
 (`cbnb.core.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
-prompts and arguments with `cbnb.engine.prompts`, records with the engine's `cbnb.telemetry.recorder.Recorder`, and runs the engine
-loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs, or
+prompts and arguments with `cbnb.engine.prompts`, records with the engine's `cbnb.telemetry.recorder.Recorder`, and runs
+the engine loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs, or
 ``async_batching=True``). So the same calls give the same StepPlanned records, the same event kinds in the same
 order, the same run segments and the same `stats()` keys as `cbnb.Engine`; only times differ (simulated seconds).
 

@@ -1,7 +1,7 @@
 """`VirtualLoop`: the engine loop's turns on a virtual clock, for `cbnb.sim.SimEngine` (torch-free).
 
-A turn is what `cbnb.engine.phases.LoopState` does in one turn of `cbnb.engine.loop.sync_loop` / `async_loop`, in the same
-order and through the same `cbnb.telemetry.recorder.Recorder` calls, with the runner replaced by the `CostModel`:
+A turn is what `cbnb.engine.phases.LoopState` does in one turn of `cbnb.engine.loop.sync_loop` / `async_loop`, in the
+same order and through the same `cbnb.telemetry.recorder.Recorder` calls, with the runner replaced by the `CostModel`:
 
 - **admit**: the requests whose arrival time has come (at most `MAX_SUBMISSIONS_PER_TURN` per turn, as the inbox
   hands them to the engine loop) go to `EngineCore.add`;
@@ -18,8 +18,8 @@ engine's loop finishes its step when the inbox has messages), and two resources 
 The step's tokens and predicted times come from the executor (`cbnb.sim.executor.SimExecutor`, the cost model in the
 runner's place); the clock is virtual (`now`, simulated seconds).
 
-**Step mode** (`cbnb.engine.step_mode`): `one_step()` runs exactly one planning turn and applies its step, also with async
-batching (a step in flight is applied before the loop holds, as the engine's loop does while `gated`). While
+**Step mode** (`cbnb.engine.step_mode`): `one_step()` runs exactly one planning turn and applies its step, also with
+async batching (a step in flight is applied before the loop holds, as the engine's loop does while `gated`). While
 `paused`, the engine (`cbnb.sim.SimEngine`) runs no other turn.
 """
 

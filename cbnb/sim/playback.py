@@ -11,9 +11,10 @@ they land between the real engine's loop turns. Pacing:
   where it is (no burst to catch up).
 
 With no request left and none to come, the thread waits for a submission; the virtual clock does not advance while
-it waits. The step mode (`cbnb.engine.step_mode`): while paused the thread applies its step in flight, admits the arrivals
-that are due and waits (`parked` is set; the clock stands still); `SimEngine.step()` runs one step on the caller's
-thread meanwhile. With a step rate, the thread waits 1/rate wall seconds after each turn that ran (slow motion).
+it waits. The step mode (`cbnb.engine.step_mode`): while paused the thread applies its step in flight, admits the
+arrivals that are due and waits (`parked` is set; the clock stands still); `SimEngine.step()` runs one step on the
+caller's thread meanwhile. With a step rate, the thread waits 1/rate wall seconds after each turn that ran (slow
+motion).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every scheduling, cache and runner decision becomes a small, plain-data record with the step id it belongs to and
 a timestamp on the engine's clock (`time.perf_counter()` seconds; simulated seconds on a `SimEngine`). The
-`cbnb.telemetry.recorder.Recorder` gathers a loop turn's events in its own pending list and appends them to the log in one
-batch at the turn's end (`Recorder.flush`), so nothing that a later, overlapped step records can overwrite them.
+`cbnb.telemetry.recorder.Recorder` gathers a loop turn's events in its own pending list and appends them to the log in
+one batch at the turn's end (`Recorder.flush`), so nothing that a later, overlapped step records can overwrite them.
 
 `EventLog` is append-only, thread-safe and bounded (oldest records dropped first). Pollers read "everything since
 cursor N"; subscribers get each step's batch of events on the engine thread (keep callbacks cheap). Export:

@@ -1,9 +1,9 @@
 """A request's story from the event log: why it waited, and everything else that happened to it (torch-free).
 
-`explain_request(events, request_id)` (behind `Engine.explain`) reads the typed records of `cbnb.telemetry.events` and returns
-a `RequestStory`: its arrival, each step it was left out with the scheduler's reason and the numbers that decided it
-(`SkippedRequests.detail`), its prompt chunks, prefix hits, offloads and restores, config changes while it lived, and
-its end. For every reason the story names the config field(s) that would change it (`REASONS`).
+`explain_request(events, request_id)` (behind `Engine.explain`) reads the typed records of `cbnb.telemetry.events` and
+returns a `RequestStory`: its arrival, each step it was left out with the scheduler's reason and the numbers that
+decided it (`SkippedRequests.detail`), its prompt chunks, prefix hits, offloads and restores, config changes while it
+lived, and its end. For every reason the story names the config field(s) that would change it (`REASONS`).
 
 Consecutive steps of the same kind are merged into one entry (e.g. "steps 5-12 waiting: token budget"); each entry
 keeps the per-step numbers in `entry.steps`.

@@ -1,4 +1,5 @@
-"""Cache sizing (`cbnb.core.cache.sizing`): the memory split, and the CUDA-graph memory the cache must leave room for."""
+"""Cache sizing (`cbnb.core.cache.sizing`): the memory split, and the CUDA-graph memory the cache must leave room
+for."""
 
 from __future__ import annotations
 

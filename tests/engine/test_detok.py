@@ -1,5 +1,5 @@
-"""Incremental detokenization (`cbnb.engine.detok`): O(n) decode work over a long stream, and text byte-identical to a full
-decode, shared by a handle's stream, the stop matcher and the final text."""
+"""Incremental detokenization (`cbnb.engine.detok`): O(n) decode work over a long stream, and text byte-identical to a
+full decode, shared by a handle's stream, the stop matcher and the final text."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Stop strings (`cbnb.engine.stops`): found when they span token boundaries, the text ends before them, the token ids are
-the tokens entirely before them, and streaming never shows a character of one."""
+"""Stop strings (`cbnb.engine.stops`): found when they span token boundaries, the text ends before them, the token ids
+are the tokens entirely before them, and streaming never shows a character of one."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Structured output on the engine (`cbnb.engine.structured`, `cbnb.runner.grammar`): JSON-schema / json_object grammars as
-a token mask, on the bundled SmolLM2-135M-Instruct."""
+"""Structured output on the engine (`cbnb.engine.structured`, `cbnb.runner.grammar`): JSON-schema / json_object grammars
+as a token mask, on the bundled SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The engine protocol of `cbnb.lab.driver` and `cbnb.lab.tuning`: the driver, metrics, run log, sweep, capacity and `best`
-work with an engine-like object that has nothing more than the documented protocol, on a virtual clock (how the
+"""The engine protocol of `cbnb.lab.driver` and `cbnb.lab.tuning`: the driver, metrics, run log, sweep, capacity and
+`best` work with an engine-like object that has nothing more than the documented protocol, on a virtual clock (how the
 simulator plugs in). The fake is a one-server FIFO queue in virtual time, so every latency is known by hand."""
 
 from __future__ import annotations
