@@ -98,7 +98,8 @@ def test_engine_and_server_package_import_without_the_web_stack():
 
 def test_plan_data_imports_nothing_that_decides():
     mods = _loaded_after("import cbnb.core.plan")
-    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload", "cbnb.core.cache.manager", "cbnb.core.requests"} & mods
+    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload", "cbnb.core.cache.manager",
+                "cbnb.core.requests"} & mods
 
 
 def test_runners_take_plan_types_from_plain_data_and_form_no_cycle():

@@ -46,8 +46,8 @@ use, when the engine has them:
                            fresh cache (not recorded); skipped when absent
 =========================  =============================================================================================
 
-`best` and `cbnb.lab.metrics.summarize` read only runs and records, never the engine. `tests/lab/test_tuning_protocol.py`
-drives every helper through an engine-like object that has nothing more than this protocol.
+`best` and `cbnb.lab.metrics.summarize` read only runs and records, never the engine.
+`tests/lab/test_tuning_protocol.py` drives every helper through an engine-like object that has nothing more than this protocol.
 """
 
 from __future__ import annotations
@@ -248,7 +248,8 @@ class SweepResult:
 
     def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
         """One row per point (and workload): its changes, n, ``<figure>_median/_min/_max``, and for simulated runs a
-        ``prediction`` column (`cbnb.lab.runs.provenance_text`: datasheet / fitted from N runs +- error / calibrated)."""
+        ``prediction`` column (`cbnb.lab.runs.provenance_text`: datasheet / fitted from N runs +- error /
+        calibrated)."""
         groups = self.groups(workload)
         df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
         if self.workloads:

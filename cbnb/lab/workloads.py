@@ -199,11 +199,11 @@ def _check_arrivals(arrivals: Any) -> None:
 
 def _check_lengths(name: str, dist: Any) -> None:
     if isinstance(dist, int) and not isinstance(dist, bool):
-        raise TypeError(f"{name} must be a length distribution (cbnb.lab.traffic.Fixed, Uniform, LogNormal, Empirical); "
-                        f"got the number {dist!r}: for always {dist!r} tokens pass Fixed({dist!r})")
+        raise TypeError(f"{name} must be a length distribution (cbnb.lab.traffic.Fixed, Uniform, LogNormal, "
+                        f"Empirical); got the number {dist!r}: for always {dist!r} tokens pass Fixed({dist!r})")
     if not (hasattr(dist, "sample") and hasattr(dist, "spec") and hasattr(dist, "scaled")):
-        raise TypeError(f"{name} must be a length distribution (cbnb.lab.traffic.Fixed, Uniform, LogNormal, Empirical); "
-                        f"got {type(dist).__name__}")
+        raise TypeError(f"{name} must be a length distribution (cbnb.lab.traffic.Fixed, Uniform, LogNormal, "
+                        f"Empirical); got {type(dist).__name__}")
 
 
 def synthetic(name: str, n: int, arrivals: Any, prompt_len: Any, output_len: Any, *, model: str = "smollm2-135m",
