@@ -53,7 +53,7 @@ def sent(page):
 
 
 def test_kvmap_draws_100k_blocks_and_hover_asks_for_owner(page):
-    from test_ui_state import synthetic_snapshot  # tests/ is on sys.path (rootdir-relative import mode)
+    from helpers_ui import synthetic_snapshot  # tests/ is on sys.path (tests/conftest.py)
 
     from cbnb.ui.kvmap import KVPageMapPanel
     from cbnb.ui.poller import Frame
@@ -373,7 +373,7 @@ def test_timeline_draws_256_requests_by_500_steps(page, tiny_engine):
 def test_runs_panel_table_compare_chart_and_export(page):
     """The Runs panel's front-end: rows with spread, ticking two rows (synced `selected`), the compare table,
     the chart's points and min-max bars, choosing another figure, and the Export button's message."""
-    from test_ui_runs import make_log  # tests/ is on sys.path
+    from helpers_ui import make_log  # tests/ is on sys.path (tests/conftest.py)
 
     from cbnb.ui.runs_panel import RunsPanel
 

@@ -13,21 +13,7 @@ from cbnb.ui.poller import Frame
 from cbnb.ui.runs_panel import RunsPanel, chart_data, group_rows
 
 from fake_engine import FakeEngine
-
-WL = {"name": "cpu-poisson", "arrivals": {"kind": "poisson", "rate": 1.2}}
-
-
-def make_log() -> RunLog:
-    base = C(page_size=32, num_blocks=64)
-    log = RunLog(base=base)
-    for rep in range(3):
-        for ps, good in ((16, 1.0), (32, 1.2), (64, 0.8)):
-            log.add("run", config=base.copy(page_size=ps), workload=WL, sweep="s1", repeat=rep,
-                    metrics={"goodput_requests_per_s": good + 0.1 * rep, "ttft_s_p99": 2.0 - good,
-                             "soft_resets": rep})
-    log.add("run", engine="hf-cb", config=base, workload=WL, metrics={"goodput_requests_per_s": 0.5})
-    return log
-
+from helpers_ui import WL, make_log
 
 @pytest.fixture
 def panel():

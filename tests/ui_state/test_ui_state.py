@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from cbnb.core.cache.snapshot import BlockState, GroupSnapshot, KVSnapshot
 from cbnb.telemetry.events import StepPlanned
 from cbnb.core.requests import RequestOutput, RequestState, RequestTimings
 from cbnb.ui.state import (BOARD_COLUMNS, SKIP_REASONS, StepSeries, TextTracker, TimeSeries, encode_kv, fmt_bytes,
                            kv_block_details, request_rows, stream_items)
+
+from helpers_ui import synthetic_snapshot
 
 
 class CharTokenizer:
@@ -194,22 +195,6 @@ def test_time_series_follows_the_engines_clock_when_the_stats_carry_one():
 
 
 # ---------------------------------------------------------------------------------------------- KV map
-def synthetic_snapshot(n_blocks: int, n_requests: int = 500, seed: int = 0) -> KVSnapshot:
-    rng = np.random.default_rng(seed)
-    state = rng.choice([BlockState.FREE, BlockState.ALLOCATED, BlockState.SHARED, BlockState.CACHED],
-                       size=n_blocks, p=[0.4, 0.4, 0.1, 0.1]).astype(np.uint8)
-    state[:2] = BlockState.RESERVED
-    refcount = np.where(state == BlockState.ALLOCATED, 1, 0).astype(np.int32)
-    shared = np.flatnonzero(state == BlockState.SHARED)
-    refcount[shared] = rng.integers(2, 40, size=len(shared))
-    owner = np.where(np.isin(state, [BlockState.ALLOCATED, BlockState.SHARED]),
-                     rng.integers(0, n_requests, size=n_blocks), -1).astype(np.int32)
-    tokens = np.where(state == BlockState.FREE, 0, rng.integers(1, 17, size=n_blocks)).astype(np.int32)
-    shared_owners = {int(b): [int(owner[b]), (int(owner[b]) + 1) % n_requests] for b in shared[:50]}
-    g = GroupSnapshot(0, "full_attention", 16, 30, 1, state, refcount, owner, tokens, (0, 1), shared_owners)
-    return KVSnapshot([g], [f"req-{i}" for i in range(n_requests)], n_blocks - 2, 1 << 20)
-
-
 def test_encode_kv_round_trips_state_and_clamped_refcount():
     snap = synthetic_snapshot(5000)
     meta, cells = encode_kv(snap)

@@ -243,7 +243,7 @@ def test_selection_opens_the_story_and_highlights_blocks(engine):
 
 
 def test_request_blocks_of_a_request_without_blocks():
-    from test_ui_state import synthetic_snapshot
+    from helpers_ui import synthetic_snapshot
 
     snap = synthetic_snapshot(100, n_requests=5)
     hl = request_blocks(snap, "nobody")
