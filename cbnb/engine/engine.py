@@ -345,10 +345,13 @@ class Engine(ThreadedStepMode, EngineShell):
         handle after this returns, even when its last step is in flight. False for an unknown or ended id."""
         return self._loop.cancel(request_id)
 
-    def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
+    def reconfigure(self, config: ContinuousBatchingConfig | None = None, timeout: float | None = 60.0,
+                    **changes: Any) -> ContinuousBatchingConfig:
         """Apply a new config now, also while requests run. Unfinished requests are kept: they restart from their
         prompt and the tokens generated so far (their KV is recomputed in the new cache). A `RunStarted` event
         ("reconfigure", the changed fields) marks the change. Returns the resolved config.
+        Keywords change fields of a config: ``reconfigure(page_size=32)`` is
+        ``reconfigure(self.user_config.copy(page_size=32))``.
 
         Each successful call appends a "reconfigure" entry to `runs` (old -> new user config; the same config
         again is recorded too: it gives a fresh cache). A refused config records nothing.
@@ -357,6 +360,7 @@ class Engine(ThreadedStepMode, EngineShell):
             ValueError / MemoryError: when the new config cannot be applied (the old one stays in force).
             TimeoutError: when the loop did not apply it within `timeout` seconds.
         """
+        config = self._config_of(config, changes)  # reconfigure(page_size=32): the config in force, changed
         if not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         timeout = check_timeout(timeout)

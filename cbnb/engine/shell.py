@@ -106,6 +106,24 @@ class EngineShell(StepMode):
                                    f"{timeout:g} s; they are cancelled.{hint}") from None
             raise
 
+    def _config_of(self, config: Any, changes: dict[str, Any]) -> Any:
+        """`reconfigure`'s config: `config` (default: the user config in force) with `changes` applied.
+
+        Raises:
+            ValueError: a change that is not a `ContinuousBatchingConfig` field, or a value out of range.
+        """
+        from ..core.config import ContinuousBatchingConfig
+
+        base = self.user_config if config is None else config
+        if not changes:
+            return base
+        unknown = sorted(set(changes) - set(ContinuousBatchingConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"reconfigure: {unknown[0]!r} is not a ContinuousBatchingConfig field")
+        if not isinstance(base, ContinuousBatchingConfig):
+            raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(base).__name__}")
+        return base.copy(**changes)
+
     def _untaken(self) -> list[Any]:
         """Submitted requests the loop has not taken yet (shown PENDING by `requests_snapshot`)."""
         return []

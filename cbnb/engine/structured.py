@@ -15,7 +15,9 @@ see `cbnb.runner.grammar`). A request still cut by ``max_new_tokens`` ends with 
 
 With OpenAI's ``"strict": true`` (as in its strict mode), an object schema that lists ``properties`` and says
 nothing of ``additionalProperties`` takes no other property (`closed`); without it, JSON Schema's default (other
-properties allowed) holds.
+properties allowed) holds. A pydantic model class given as ``json_schema=`` is always closed that way (the openai
+SDK's ``parse()`` sends its models strict too; a model with ``extra="allow"`` says ``additionalProperties`` itself
+and keeps it); a dict or JSON text is taken as written.
 
 A grammar that does not compile raises `ValueError` naming the field (``response_format.json_schema.schema`` or
 ``json_schema``) and llguidance's message, at submit.
@@ -212,6 +214,8 @@ def request_grammar(tokenizer: Any, vocab_size: int, eos: Any, *, response_forma
         where = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
     else:
         kind, name, schema, where = "json_schema", "", json_schema_of(json_schema, "json_schema"), "json_schema"
+        if isinstance(json_schema, type):  # a pydantic model: closed, as the openai SDK's parse() asks (strict)
+            schema = closed(schema)
     if tokenizer is None:
         raise ValueError(f"{field} needs the engine's tokenizer (structured output works on text); this engine "
                          "has none")

@@ -11,7 +11,14 @@ Definitions (the vocabulary of vLLM's ``bench serve`` and SGLang's ``bench_servi
   (a request with one output token has no TPOT and meets that half); ``goodput_requests_per_s = good / duration``,
   as vLLM's ``request_goodput``; ``slo_attainment_pct = 100 * good / requests`` (every request counts, failed ones
   as missed);
+- steady-state goodput: the same count over the steady-state window only, which leaves out the warm-up (an empty
+  cache and batch) and the drain (the last requests alone in the batch): the window runs from the start (submit
+  time) of the request at the 10th percentile of starts to that of the 90th, and ``goodput_steady_requests_per_s``
+  = requests that started in ``[steady_start_s, steady_end_s)``, finished and met the SLO / the window's length
+  (None with fewer than 10 requests or when they all started at once, as an offline batch does);
 - lateness: submitted - arrival time, the driver's accuracy (never negative).
+
+`DEFINITIONS` states these in words; every run of the tuning lab carries them (`cbnb.lab.runs.Run.definitions`).
 
 Names carry units: ``_s`` seconds, ``_per_s`` per second, ``_pct`` percent, ``_frac`` a fraction.
 """
@@ -24,7 +31,22 @@ from typing import Any, Iterable, Mapping
 
 from ..telemetry.stats import percentiles
 
-__all__ = ["SLO", "summarize", "engine_figures", "KEY_FIGURES", "higher_is_better", "FIGURE_LABELS"]
+__all__ = ["SLO", "summarize", "steady_window", "engine_figures", "KEY_FIGURES", "higher_is_better", "FIGURE_LABELS",
+           "DEFINITIONS"]
+
+#: The share of requests (by start time) left out at each end of a run for the steady-state window.
+STEADY_TRIM = 0.1
+
+#: What the goodput figures mean, in words (kept with every run: `cbnb.lab.runs.Run.definitions`).
+DEFINITIONS: dict[str, str] = {
+    "goodput_requests_per_s": "requests that finished with TTFT <= slo_ttft_s and TPOT <= slo_tpot_s, divided by "
+                              "the run's duration (first arrival to last end), as vLLM's request_goodput",
+    "goodput_steady_requests_per_s": "the same count over the steady-state window only: requests whose start "
+                                     "(submit time) lies in [steady_start_s, steady_end_s), the starts of the "
+                                     "requests at the 10th and 90th percentiles of start times, divided by the "
+                                     "window's length; warm-up and drain left out",
+    "slo_attainment_pct": "100 x requests that met the SLO / every request submitted (failed ones count as missed)",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,22 @@ def _flat(name: str, values: Iterable[float]) -> dict[str, Any]:
             f"{name}_max": p["max"]}
 
 
+def _start(r: Any) -> float:
+    return r.submitted_s if r.submitted_s is not None else r.arrival_s
+
+
+def steady_window(records: Iterable[Any], trim: float = STEADY_TRIM) -> tuple[float, float] | None:
+    """The steady-state window ``(start_s, end_s)`` of a run: the start times of the requests at the `trim` and
+    ``1 - trim`` quantiles of starts (submit time, else arrival). None with fewer than 10 requests or an empty
+    window (every request started at once)."""
+    starts = sorted(_start(r) for r in records)
+    n = len(starts)
+    if n < 10:
+        return None
+    lo, hi = starts[math.floor(trim * n)], starts[math.ceil((1 - trim) * n) - 1]
+    return (lo, hi) if hi > lo else None
+
+
 def summarize(records: Iterable[Any], *, slo: SLO | None = None, duration_s: float | None = None) -> dict[str, Any]:
     """Flat figures of a run from its `RequestRecord`s (anything with the same attributes).
 
@@ -82,7 +120,8 @@ def summarize(records: Iterable[Any], *, slo: SLO | None = None, duration_s: flo
     Returns:
         {"requests", "requests_finished", "requests_failed", "requests_cancelled", "duration_s",
         "output_tokens", "output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "slo_met",
-        "slo_attainment_pct", "slo_ttft_s", "slo_tpot_s", and p50/p90/p99/mean/max of ttft_s, tpot_s, itl_s,
+        "slo_attainment_pct", "slo_ttft_s", "slo_tpot_s", "steady_start_s", "steady_end_s",
+        "goodput_steady_requests_per_s" (see the module doc; None when the run has no steady window), and p50/p90/p99/mean/max of ttft_s, tpot_s, itl_s,
         queue_s, e2e_s, lateness_s (e.g. "ttft_s_p99")}; percentiles are None when no request finished.
     """
     slo = slo or SLO()
@@ -108,6 +147,13 @@ def summarize(records: Iterable[Any], *, slo: SLO | None = None, duration_s: flo
         "slo_ttft_s": slo.ttft_s,
         "slo_tpot_s": slo.tpot_s,
     }
+    win = steady_window(recs)
+    if win is None:
+        out.update(steady_start_s=None, steady_end_s=None, goodput_steady_requests_per_s=None)
+    else:
+        lo, hi = win
+        good_steady = sum(1 for r in done if lo <= _start(r) < hi and slo.met(r.ttft_s, r.tpot_s))
+        out.update(steady_start_s=lo, steady_end_s=hi, goodput_steady_requests_per_s=good_steady / (hi - lo))
     out.update(_flat("ttft_s", (r.ttft_s for r in done if r.ttft_s is not None)))
     out.update(_flat("tpot_s", (r.tpot_s for r in done if r.tpot_s is not None)))
     out.update(_flat("itl_s", (g for r in done for g in r.itl_s)))

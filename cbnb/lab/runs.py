@@ -83,6 +83,8 @@ class Run:
     #: where the engine's figures come from: {"kind": "measured"} for a real engine, a simulator profile's
     #: `HardwareProfile.trust()` ("datasheet", "calibrated", "fitted", with its error) for `SimEngine`.
     provenance: dict[str, Any] = field(default_factory=dict)
+    #: what the run's figures mean, in words (`cbnb.lab.metrics.DEFINITIONS`: goodput, its steady-state window, SLO).
+    definitions: dict[str, str] = field(default_factory=dict)
 
     @property
     def change(self) -> str:
@@ -99,7 +101,7 @@ class Run:
     def to_dict(self, include_records: bool = False) -> dict[str, Any]:
         d = {k: _jsonable(getattr(self, k)) for k in ("id", "kind", "engine", "config", "changes", "workload",
                                                          "metrics", "label", "sweep", "point", "repeat", "time",
-                                                         "note", "provenance")}
+                                                         "note", "provenance", "definitions")}
         if include_records:
             d["records"] = [r.to_dict(tokens=True) if hasattr(r, "to_dict") else _jsonable(r) for r in self.records]
         return d
@@ -107,7 +109,7 @@ class Run:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Run":
         kw = {k: d[k] for k in ("id", "kind", "engine", "config", "changes", "workload", "metrics", "label",
-                                "sweep", "point", "repeat", "time", "note", "provenance") if k in d}
+                                "sweep", "point", "repeat", "time", "note", "provenance", "definitions") if k in d}
         run = cls(**kw)
         run.records = list(d.get("records", []))
         return run

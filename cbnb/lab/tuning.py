@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .driver import Driver
 from ..engine.engine_like import marks_runs
-from .metrics import FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
+from .metrics import DEFINITIONS, FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
 from .runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
 
 __all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
@@ -166,6 +166,7 @@ def run_workload(engine: Any, workload: Any, *, slo: SLO | None = None, clock: A
     config = getattr(engine, "user_config", None) or getattr(engine, "config", None)
     target = log if isinstance(log, RunLog) else (run_log(engine) if log else RunLog(base=config))
     return target.add("run", engine=engine_name(engine), config=config, provenance=provenance(engine),
+                      definitions=dict(DEFINITIONS),
                       workload=workload_info(workload, time_scale, workload_label, max_concurrency), metrics=metrics,
                       records=records,
                       label=label, **extra)

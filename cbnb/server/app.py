@@ -523,6 +523,8 @@ def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: i
     except ValueError as e:
         msg = str(e)
         param = next((f for arg, f in _FIELD_OF.items() if msg.startswith(arg) and arg in kw), None)
+        if param == "tools" and msg.startswith("json_schema"):  # the forced call's grammar, from the tools
+            msg = "a function's parameters (tools[].function.parameters)" + msg[len("json_schema"):]
         raise protocol.invalid(param or ("prompt" if g.kind == "completion" else "messages"), msg) from None
     ctx.live[rid] = handle
     return handle

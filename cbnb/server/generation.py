@@ -37,7 +37,7 @@ from .counters import ServerCounters
 from .protocol import ApiError, GenerationRequest
 from .sse import DONE, sse
 from ..engine.stops import TextStopFilter
-from .tools import CallStream, ToolStream, new_call_id, parse_calls, tool_calls_body
+from .tools import CallStream, ToolStream, cut_forced_call, new_call_id, parse_calls, tool_calls_body
 
 __all__ = ["Generation", "Choice", "PrimedHandle", "Slot", "TokenText"]
 
@@ -85,6 +85,11 @@ class TokenText:
         self.byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
         self.text = functools.lru_cache(maxsize=65536)(self._text)
         self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def is_special(self, tid: int) -> bool:
+        """Whether the token is one of the tokenizer's special tokens (left out of the text)."""
+        return tid in self._special
 
     def _decoded(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
@@ -164,11 +169,13 @@ class Choice:
         g: the parsed request.
         closing: returns True while the server is stopping (explains a cancellation).
         on_tokens: called with the number of new tokens of each delta (for the slot's token count).
+        is_special: whether a token id is a special token (an end token that is one gets no logprob entry).
     """
 
     def __init__(self, index: int, handle: Any, g: GenerationRequest, closing: Callable[[], bool],
-                 on_tokens: Callable[[int], None]) -> None:
+                 on_tokens: Callable[[int], None], is_special: Callable[[int], bool] = lambda tid: False) -> None:
         self.index, self.handle, self.g, self.closing, self.on_tokens = index, handle, g, closing, on_tokens
+        self.is_special = is_special
         self.matcher = TextStopFilter(g.stop) if g.stop else None
         self.prompt_tokens = len(handle.prompt_token_ids)
         self.completion_tokens = 0
@@ -182,6 +189,7 @@ class Choice:
         self.tools = g.tools if g.tools and g.tool_choice != "none" else None
         self.forced = self.tools is not None and g.tool_choice != "auto"  # "required" or a named function
         self.prompt_logprobs: list[Any] | None = None  # the engine's, for echo (None first)
+        self._ended_on_eos = False
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[Any]]]:
         """(text, logprobs) to send, in order; sets finish_reason or error at the end."""
@@ -209,6 +217,8 @@ class Choice:
                         text += self.matcher.flush()
                 if d.finished:
                     self._outcome()
+                    if self._ended_on_eos and lps and self.is_special(lps[-1].token_id):
+                        lps = lps[:-1]  # a special end token is not in the text: OpenAI lists no logprob for it
                 if text or lps:
                     yield text, lps
         finally:
@@ -217,6 +227,7 @@ class Choice:
     def _outcome(self) -> None:
         out = self.handle.result(timeout=0)
         self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        self._ended_on_eos = out.finish_reason == "eos"
         # An engine-side stop string drops the tokens that hold it from the output; they were generated all the same.
         more = getattr(out, "generated_tokens", 0) - self.completion_tokens
         if more > 0 and not self.discard:
@@ -284,7 +295,7 @@ class Generation:
                  live: dict[str, Any], closing: Callable[[], bool], tokens: TokenText) -> None:
         self.handles, self.g, self.slot, self.model_name, self.live, self.tokens = (
             handles, g, slot, model_name, live, tokens)
-        self.choices = [Choice(i, h, g, closing, self._count) for i, h in enumerate(handles)]
+        self.choices = [Choice(i, h, g, closing, self._count, tokens.is_special) for i, h in enumerate(handles)]
         self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + handles[0].request_id
         self.created = int(time.time())
         # usage: each prompt once (its n choices share it), every choice's generated tokens
@@ -341,6 +352,9 @@ class Generation:
                     msg = {"role": "assistant", "content": content,
                            "tool_calls": tool_calls_body(calls, [new_call_id() for _ in calls])}
                     finish = "tool_calls"
+                elif c.forced and c.finish_reason is not None:  # a forced call cut short: never its text as content
+                    cut = cut_forced_call(text)
+                    msg = {"role": "assistant", "content": None, **({"tool_calls": [cut]} if cut else {})}
                 out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
         obj = "text_completion" if self.g.kind == "completion" else "chat.completion"
         return {**self._head(obj), "choices": out, "usage": self.usage()}
@@ -409,8 +423,7 @@ class Generation:
             return
         for d in cs.finish(c.finish_reason == "stop"):
             yield self._call_chunk(c, d)
-        if cs.text:
-            yield self._chunk(c, cs.text, None)
+        # A call cut before its name was complete sends nothing: its text is the call's wrapper, not content.
         yield self._final(c, "tool_calls" if cs.started and c.finish_reason == "stop" else None)
 
     async def _pieces(self, c: Choice) -> AsyncIterator[dict[str, Any]]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -215,6 +216,10 @@ class CompletionBody(_Body):
             if len(v) > MAX_CHOICES:
                 raise ValueError(f"at most {MAX_CHOICES} prompts in one request; got {len(v)}")
             return v
+        if isinstance(v, list) and v and any(isinstance(p, (str, list)) for p in v):  # a batch with a bad element
+            i, bad = next((i, p) for i, p in enumerate(v) if not one(p))
+            raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids; got "
+                             f"{_short(bad)}")
         raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
 
 
@@ -394,7 +399,11 @@ def _validation_error(e: ValidationError) -> ApiError:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    return invalid(param, f"Invalid value for {param}: {msg}; got {_short(err.get('input'))}")
+    got = "" if "; got " in msg else f"; got {_short(err.get('input'))}"  # our own validators may say it already
+    item = re.match(rf"({re.escape(param)}\[\d+\]) ", msg)  # a batch's element named by the validator
+    if item:
+        return invalid(item.group(1), msg)
+    return invalid(param, f"Invalid value for {param}: {msg}{got}")
 
 
 def _short(v: Any) -> str:

@@ -195,6 +195,17 @@ def parse_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
     return None, calls
 
 
+def cut_forced_call(text: str) -> dict | None:
+    """A forced call cut short (``max_tokens``): its name and the arguments' text so far, as OpenAI returns a call
+    cut by the length limit (``{"id", "type", "function": {"name", "arguments"}}``, arguments unfinished JSON);
+    None when the cut came before the name was complete (then the choice has neither content nor call)."""
+    m = _FORCED_HEAD.match(text.strip())
+    if m is None:
+        return None
+    args = text.strip()[m.end():]
+    return {"id": new_call_id(), "type": "function", "function": {"name": m.group(1), "arguments": args}}
+
+
 def tool_calls_body(calls: list[dict], ids: list[str]) -> list[dict]:
     """OpenAI's ``message.tool_calls``: arguments as a JSON string."""
     return [{"id": i, "type": "function", "function": {"name": c["name"], "arguments": json.dumps(

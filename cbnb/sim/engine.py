@@ -194,15 +194,19 @@ class SimEngine(SimDriving, EngineShell):
         for req in carry:
             core.add(req, resume=True)
 
-    def reconfigure(self, config: ContinuousBatchingConfig, timeout: float | None = 60.0) -> ContinuousBatchingConfig:
+    def reconfigure(self, config: ContinuousBatchingConfig | None = None, timeout: float | None = 60.0,
+                    **changes: Any) -> ContinuousBatchingConfig:
         """Apply a new config (as `Engine.reconfigure`): unfinished requests restart from their prompt and the tokens
         generated so far in the new cache; requests yet to arrive keep their arrival times. Step numbers go on, and
         a `RunStarted` event ("reconfigure", the changed fields) starts a run segment. Returns the resolved config.
+        Keywords change fields of a config: ``reconfigure(page_size=32)`` is
+        ``reconfigure(self.user_config.copy(page_size=32))``.
 
         Raises:
             ValueError / MemoryError: the new config cannot be applied (the old one stays in force).
             TimeoutError: the playback thread did not let go within `timeout` seconds.
         """
+        config = self._config_of(config, changes)  # reconfigure(page_size=32): the config in force, changed
         if not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         timeout = check_timeout(timeout)
@@ -303,6 +307,8 @@ class SimEngine(SimDriving, EngineShell):
             self._loop.add_arrival(req, t)
             if arrival_s is not None:
                 self._last_arrival = t
+            if self._loop.paused and not self._loop.inflight:
+                self._loop.admit_due()  # as the paused engine's loop admits what reaches it: PENDING, explainable
             pb = self._playback
         if pb is not None:
             pb.idle.clear()
@@ -328,6 +334,10 @@ class SimEngine(SimDriving, EngineShell):
         if t < now:
             raise ValueError(f"arrival_s={t!r} lies in the past: the simulation is already at t={now!r} s")
         return t
+
+    def _untaken(self) -> list[Request]:
+        with self._lock:
+            return self._loop.due()
 
     def outputs(self) -> list[RequestOutput]:
         """Terminal outputs of every request submitted so far that has ended, in submission order."""

@@ -140,6 +140,10 @@ class VirtualLoop:
     def _due(self) -> bool:
         return bool(self._arrivals) and self._arrivals[0][0] <= self.now
 
+    def due(self) -> list[Request]:
+        """Requests whose arrival time has come but that no turn has admitted yet, in arrival order."""
+        return [r for t, _, r in sorted(self._arrivals) if t <= self.now]
+
     def arrival_of(self, request_id: str) -> float | None:
         """When a queued request arrives (simulated seconds), None when it is not queued."""
         return next((t for t, _, r in self._arrivals if r.request_id == request_id), None)

@@ -16,6 +16,7 @@ from cbnb.lab.tuning import run_workload
 from cbnb.lab.workloads import synthetic
 
 from helpers_engine import TIMEOUT, tiny_model
+from helpers_server import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -132,3 +133,31 @@ def test_a_simulation_steps_while_paused_on_its_playback_thread():
     with pytest.raises(RuntimeError, match="paused"):
         h.result()
     assert caller.step() == 1 and caller.step() == 2 and caller.step() is None and h.done()
+
+
+@pytest.mark.parametrize("kind", ["real", "sim"])
+def test_submissions_show_pending_and_explain_while_paused_and_reconfigure_takes_keywords(kind):
+    """On both engines: a request submitted to a paused engine is PENDING in `requests_snapshot` and has a story;
+    `reconfigure(page_size=32)` changes the config in force; an unknown keyword is a ValueError naming it."""
+    model = tiny_model("tiny:llama")
+    cfg = cbnb.ContinuousBatchingConfig(**CFG)
+    eng = (cbnb.Engine(model, config=cfg) if kind == "real"
+           else SimEngine(model.config, "l4", cfg, dtype="float32", async_batching=False))
+    try:
+        first = eng.submit([1, 2, 3], 2)
+        if kind == "sim":  # (the real engine's thread may already run it)
+            assert [(o.request_id, o.state.name) for o in eng.requests_snapshot()] == [(first.request_id, "PENDING")]
+        assert eng.pause() is True
+        h = eng.submit([4, 5, 6], 2)
+        shown = {o.request_id: o.state.name for o in eng.requests_snapshot()}
+        assert shown[h.request_id] == "PENDING"
+        # (the real engine's loop admits it on its next turn, paused or not: wait for that, not a fixed time)
+        wait_until(lambda: "arrived with 3 prompt tokens" in eng.explain(h.request_id).text(), what="admitted")
+        eng.resume()
+        assert eng.reconfigure(page_size=32).page_size == 32 and eng.config.page_size == 32
+        assert eng.config.num_blocks == eng.user_config.num_blocks  # the rest as it was
+        with pytest.raises(ValueError, match="'pagesize' is not a ContinuousBatchingConfig field"):
+            eng.reconfigure(pagesize=32)
+        assert h.result(TIMEOUT).state.name == "FINISHED"
+    finally:
+        eng.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cbnb.lab.driver import RequestRecord
-from cbnb.lab.metrics import SLO, engine_figures, higher_is_better, summarize
+from cbnb.lab.metrics import DEFINITIONS, SLO, engine_figures, higher_is_better, steady_window, summarize
 
 
 def rec(i, arrival, ttft, tpot, n, state="FINISHED", late=0.0):
@@ -39,6 +39,19 @@ def test_goodput_counts_requests_meeting_both_bounds():
     # Looser TTFT bound: request 1 now counts; no TPOT bound: request 2 counts too.
     assert summarize(recs, slo=SLO(ttft_s=2.0, tpot_s=0.125))["slo_met"] == 5
     assert summarize(recs, slo=SLO(ttft_s=2.0, tpot_s=None))["slo_met"] == 6
+
+
+def test_steady_state_goodput_leaves_out_warm_up_and_drain():
+    # 20 requests a second apart: the first two (warm-up) and the last two (drain) miss the TTFT bound.
+    recs = [rec(i, float(i), 2.0 if i in (0, 1, 18, 19) else 0.5, 0.05, 5) for i in range(20)]
+    m = summarize(recs, slo=SLO(ttft_s=1.0, tpot_s=0.1))
+    assert (m["steady_start_s"], m["steady_end_s"]) == (2.0, 17.0)  # starts at the 10th and 90th percentiles
+    assert m["goodput_steady_requests_per_s"] == pytest.approx(15 / 15.0)  # requests 2..16 in [2, 17), all good
+    assert m["goodput_requests_per_s"] == pytest.approx(16 / m["duration_s"])  # the whole run: diluted
+    # Requests that all start at once (offline) or too few requests: no steady window.
+    assert steady_window([rec(i, 0.0, 0.5, 0.05, 5) for i in range(20)]) is None
+    assert summarize(recs[:9])["goodput_steady_requests_per_s"] is None
+    assert "steady-state window" in DEFINITIONS["goodput_steady_requests_per_s"]
 
 
 def test_percentiles_are_nearest_rank_over_finished_requests():

@@ -33,6 +33,10 @@ def test_datasheet_runs_say_so_and_the_summary_shows_it(capsys):
     # The provenance survives the run log's JSON.
     run = res.runs[0]
     assert Run.from_dict(run.to_dict()).provenance == run.provenance
+    # So do the definitions of its figures (goodput over the run and over its steady-state window).
+    assert "steady-state window" in run.definitions["goodput_steady_requests_per_s"]
+    assert Run.from_dict(run.to_dict()).definitions == run.definitions
+    assert "goodput_steady_requests_per_s" in run.metrics
 
 
 def _fitted(err):

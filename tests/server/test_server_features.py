@@ -273,7 +273,10 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(served, http):
     ("completions", {"n": 129}, "n", "less than or equal to 128"),
     ("completions", {"n": 2.0}, "n", "valid integer"),
     ("completions", {"prompt": ["a"] * 65, "n": 2}, "n", "at most 128"),
-    ("completions", {"prompt": [["a"]]}, "prompt", "list of those"),
+    ("completions", {"prompt": [["a"]]}, "prompt[0]", "must be a string or a non-empty list of token ids; got list"),
+    ("completions", {"prompt": ["a", 5]}, "prompt[1]", "must be a string or a non-empty list of token ids; got 5"),
+    ("completions", {"logit_bias": {"abc": 1}}, "logit_bias", "digit strings); got 'abc'"),
+    ("completions", {"stop": ["a"] * 5}, "stop", "at most 4 stop sequences; got 5"),
     ("completions", {"prompt": []}, "prompt", "non-empty"),
     ("completions", {"min_p": 1.5}, "min_p", "less than or equal to 1"),
     ("completions", {"min_p": "0.1"}, "min_p", "valid number"),
@@ -299,6 +302,7 @@ def test_field_errors_name_the_field(http, path, extra, param, words):
     body.update({"max_tokens": 2, **extra})
     e = err(http.post(f"/v1/{'chat/completions' if path == 'chat' else 'completions'}", json=body))
     assert e["param"] == param and words in e["message"], e
+    assert e["message"].count("; got ") <= 1, e  # what was sent, said once
 
 
 def test_vllm_fields_change_the_output_as_the_engines_arguments(served, client):

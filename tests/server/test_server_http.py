@@ -65,7 +65,7 @@ def err(r, status):
     (b'{"prompt": ""}', "prompt", "must not be empty"),
     (b'{"prompt": [1, -2]}', "prompt", "outside the vocabulary"),
     (b'{"prompt": [1, 99999]}', "prompt", "outside the vocabulary"),
-    (b'{"prompt": ["a", 5]}', "prompt", "a non-empty list of those"),
+    (b'{"prompt": ["a", 5]}', "prompt[1]", "prompt[1] must be a string or a non-empty list of token ids"),
     (b'{"max_tokens": 3}', "prompt", "Missing required parameter: prompt"),
     (b'{"prompt": "x", "logprobs": 6}', "logprobs", "less than or equal to 5"),
     (b'{"prompt": "x", "echo": true, "stream": true, "logprobs": 1}', "echo", "not supported yet: echo with stream"),

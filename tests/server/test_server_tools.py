@@ -46,6 +46,22 @@ def _fmt(schema, name="answer"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
+# ------------------------------------------------------------------------------------------------ logprobs
+def test_a_chat_answer_ended_by_its_end_token_lists_logprobs_of_its_text_only(client):
+    """The chat template's end token (<|im_end|>, special) ends the answer but is not in it: no logprob entry, so
+    the tokens join to the content, streamed or not (as OpenAI's API)."""
+    ask = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Reply with one word: yes or no?"}],
+               max_tokens=24, temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**ask)
+    c = r.choices[0]
+    assert c.finish_reason == "stop"
+    assert "".join(t.token for t in c.logprobs.content) == c.message.content
+    assert all(t.token != "<|im_end|>" for t in c.logprobs.content)
+    streamed = [lp for ch in client.chat.completions.create(**ask, stream=True)
+                for lp in ((ch.choices[0].logprobs.content or []) if ch.choices and ch.choices[0].logprobs else [])]
+    assert [t.token for t in streamed] == [t.token for t in c.logprobs.content]
+
+
 # ------------------------------------------------------------------------------------------------ response_format
 @pytest.mark.parametrize("sampled", [False, True])
 def test_json_schema_responses_validate_every_time(client, sampled):
@@ -83,7 +99,7 @@ def test_json_object_response(client):
      "cannot be combined"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "unique"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
-      "tool_choice": "required"}, "tools", "does not compile"),
+      "tool_choice": "required"}, "tools", "tools[].function.parameters) does not compile"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -111,6 +127,32 @@ def test_required_and_named_tool_choice_always_give_a_valid_call(client, sampled
         for c in r.choices:
             assert c.finish_reason == "tool_calls" and c.message.content is None
             _check_calls(c.message.tool_calls, names)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12])
+def test_a_forced_call_cut_by_max_tokens_is_a_cut_call_never_content(client, max_tokens):
+    """Cut before its name is complete: neither content nor a call; cut later: the call with its arguments so far
+    (unfinished JSON) and finish_reason "length", as OpenAI returns one. Streamed, the same call and no content."""
+    ask = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens,
+               temperature=0)
+    c = client.chat.completions.create(**ask).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None
+    calls = c.message.tool_calls or []
+    assert len(calls) == (0 if max_tokens == 3 else 1)
+    if calls:
+        assert calls[0].function.name in PARAMS and calls[0].id.startswith("call_")
+    content, names, args = "", [], ""
+    for ch in client.chat.completions.create(**ask, stream=True):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            if t.function.name:
+                names.append(t.function.name)
+            args += t.function.arguments or ""
+    assert content == "" and names == [x.function.name for x in calls]
+    assert args == (calls[0].function.arguments if calls else "")
 
 
 def test_streamed_tool_calls_are_openai_deltas(client):

@@ -189,18 +189,37 @@ def test_stream_token_hover_shows_logprob_and_alternatives(page, tiny_engine):
     lps = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.75))), TokenLogprob(7, -2.5, ((3, -0.5), (7, -2.5)))]
     out = RequestOutput("req-7", [1, 2], [5, 7], state=RequestState.DECODING, max_new_tokens=8, logprobs=lps)
     plain = RequestOutput("req-8", [1, 2], [4], state=RequestState.DECODING, max_new_tokens=8)
+    scored = RequestOutput("req-9", [1, 2, 6], [4], state=RequestState.FINISHED, max_new_tokens=1,
+                           prompt_logprobs=[None, TokenLogprob(2, -1.0, ((6, -0.5),)), TokenLogprob(6, -0.125, ())])
     st = TokenStreamPanel(tiny_engine, autostart=False)
-    st.items = stream_items([out, plain], TextTracker(None))
+    st.items = stream_items([out, plain, scored], TextTracker(None))
     mount(page, st)
-    chips = page.locator(".cbnb-stream-item[data-id=req-7] .cbnb-lp-tok")
+    chips = page.locator(".cbnb-stream-item[data-id=req-7] .cbnb-lp-strip:not(.cbnb-lp-prompt) .cbnb-lp-tok")
     assert chips.all_text_contents() == ["5", "7"]
-    assert page.locator(".cbnb-stream-item[data-id=req-8] .cbnb-lp-strip").is_hidden()  # no logprobs asked
+    for rid, strip in (("req-8", ".cbnb-lp-strip"), ("req-7", ".cbnb-lp-prompt"), ("req-8", ".cbnb-lp-prompt")):
+        assert page.locator(f".cbnb-stream-item[data-id={rid}] {strip}").first.is_hidden()  # not asked for
+        assert page.locator(f".cbnb-stream-item[data-id={rid}] {strip}").last.is_hidden()
+    # Prompt logprobs: their own strip, labelled, one chip per scored prompt token (positions 1 and 2).
+    prompt_strip = page.locator(".cbnb-stream-item[data-id=req-9] .cbnb-lp-prompt")
+    assert prompt_strip.locator(".cbnb-lp-label").text_content() == "prompt"
+    assert prompt_strip.locator(".cbnb-lp-tok").all_text_contents() == ["2", "6"]
+    prompt_strip.locator(".cbnb-lp-tok").first.hover()
+    tip = page.locator(".cbnb-lp-tip")
+    page.wait_for_function("() => /^prompt token 1: \"2\"  logprob -1.000/.test("
+                           "document.querySelector('.cbnb-lp-tip').textContent)")
+    assert '"6"  -0.500' in tip.text_content()
+    page.mouse.move(0, 0)
     chips.nth(1).hover()
     tip = page.locator(".cbnb-lp-tip")
     tip.wait_for(state="visible")
     text = tip.text_content()
     assert 'token 1: "7"  logprob -2.500 (p=0.0821)' in text
     assert 'alternatives:' in text and '"3"  -0.500 (p=0.607)' in text
+    # The tip stays inside the panel, also for a chip near its right edge.
+    inside = page.evaluate("""() => { const t = document.querySelector('.cbnb-lp-tip').getBoundingClientRect();
+        const p = document.querySelector('.cbnb-stream').getBoundingClientRect();
+        return t.left >= p.left - 1 && t.right <= p.right + 1; }""")
+    assert inside
     page.screenshot(path=str(ARTIFACTS / "harness-stream-logprob-hover.png"))
     page.mouse.move(0, 0)
     tip.wait_for(state="hidden")
