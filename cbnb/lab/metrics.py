@@ -121,8 +121,9 @@ def summarize(records: Iterable[Any], *, slo: SLO | None = None, duration_s: flo
         {"requests", "requests_finished", "requests_failed", "requests_cancelled", "duration_s",
         "output_tokens", "output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "slo_met",
         "slo_attainment_pct", "slo_ttft_s", "slo_tpot_s", "steady_start_s", "steady_end_s",
-        "goodput_steady_requests_per_s" (see the module doc; None when the run has no steady window), and p50/p90/p99/mean/max of ttft_s, tpot_s, itl_s,
-        queue_s, e2e_s, lateness_s (e.g. "ttft_s_p99")}; percentiles are None when no request finished.
+        "goodput_steady_requests_per_s" (see the module doc; None when the run has no steady window), and
+        p50/p90/p99/mean/max of ttft_s, tpot_s, itl_s, queue_s, e2e_s, lateness_s (e.g. "ttft_s_p99")};
+        percentiles are None when no request finished.
     """
     slo = slo or SLO()
     recs = list(records)

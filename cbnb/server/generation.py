@@ -217,8 +217,10 @@ class Choice:
                         text += self.matcher.flush()
                 if d.finished:
                     self._outcome()
-                    if self._ended_on_eos and lps and self.is_special(lps[-1].token_id):
-                        lps = lps[:-1]  # a special end token is not in the text: OpenAI lists no logprob for it
+                    if self._ended_on_eos and lps and self.g.kind == "chat" and self.is_special(lps[-1].token_id):
+                        # chat: a special end token is not in the content, and OpenAI lists no logprob for it;
+                        # completions keep it last (as vLLM does: lm-eval drops the generated token's entry)
+                        lps = lps[:-1]
                 if text or lps:
                     yield text, lps
         finally:
