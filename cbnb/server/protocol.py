@@ -13,8 +13,8 @@ extra sampling fields (`VLLM_FIELDS`: `top_k`, `min_p`, `repetition_penalty`, `m
 `service_tier`, `user`, ...) are accepted and ignored. Unknown fields are refused (400, naming the field), never
 ignored. Fields the engine cannot honour (`suffix`, `best_of` > 1, `echo` with `stream` and `logprobs`, ...) are
 parsed and range-checked, and then either mapped to an engine argument when `engine.submit` takes one (see
-`ENGINE_ARGS`) or answered with 400 "not supported yet: <field>" when the value would change the output; a neutral value
-(`best_of=1`, `suffix=""`) is accepted.
+`ENGINE_ARGS`) or answered with 400 "not supported yet: <field>" when the value would change the output; a neutral
+value (`best_of=1`, `suffix=""`) is accepted.
 
 Structured output (chat): `response_format` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
 {...}}`` goes to the engine's `response_format` (a grammar mask, `cbnb.engine.structured`); a schema that does not
