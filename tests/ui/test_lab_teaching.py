@@ -177,8 +177,7 @@ def test_why_opens_from_board_stream_and_timeline(s):
     page = s.page
     rid = s.rid_lone
     row = page.locator(f".cbnb-board tr[data-id='{rid}']")
-    row.scroll_into_view_if_needed()
-    row.locator("td.cbnb-col-prompt_text").click()
+    row.locator("td.cbnb-col-prompt_text").click()  # scrolls, and retries while the board redraws the row
     page.wait_for_function("(r) => document.querySelector('.cbnb-why').dataset.request === r", arg=rid, timeout=30_000)
     assert s.py("dash.why.request_id") == repr(rid) and s.py("dash.board.selected") == repr(rid)
     prefill = page.locator(".cbnb-why .cbnb-why-entry[data-kind=prefill] .cbnb-why-what").text_content()

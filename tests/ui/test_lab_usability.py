@@ -177,7 +177,7 @@ def test_paused_board_slow_motion_line_and_why_after_apply(s):
     wait_py(s, "all(h.done() for h in _u)", 180)
     # The second request's story, opened from its board row: the budget it waited for, then and now.
     row = page.locator(f".cbnb-board tr[data-id='{b}']")
-    row.scroll_into_view_if_needed()
+    # click() scrolls and retries while the board redraws the row (a scroll alone fails on a row just replaced)
     row.locator("td.cbnb-col-prompt_text").click()
     page.wait_for_function("(r) => document.querySelector('.cbnb-why').dataset.request === r", arg=b, timeout=30_000)
     entry = page.locator(".cbnb-why .cbnb-why-entry[data-reason=token_budget]").first
