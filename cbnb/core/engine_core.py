@@ -69,6 +69,9 @@ class EngineCore:
         self.on_terminal = on_terminal
         self.observer: Any = None
         self.kv_for_runner = True  # build `StepWork.kv` (a simulator's cost model does not need it)
+        # fill `StepWork.shared_tokens` (prefix blocks several rows of a step read; the simulator's CPU cost model
+        # prices them): off by default, it walks the shared blocks every step (on for a CPU engine, either clock)
+        self.measure_shared_reads = False
         self.offload_counts = {SWAP: 0, SOFT_RESET: 0}
 
     # ------------------------------------------------------------------------------------------ requests
@@ -221,6 +224,8 @@ class EngineCore:
                 work.restores.append((s.request, s.allocation.restored))
         if self.kv_for_runner:
             work.kv = self.cache.step_kv(work.plan.scheduled)
+        if self.measure_shared_reads:
+            work.shared_tokens = self.cache.shared_reads(work.plan.scheduled)
         work.schedule_s = time.perf_counter() - t0
         work.t0 = t_start
         if self.observer is not None:

@@ -276,6 +276,9 @@ class StepWork:
         schedule_s: seconds spent scheduling (including offload decisions).
         t0: the core's clock when planning began (seconds: perf_counter, or simulated).
         kv: where the scheduled rows' KV lives (`StepKV`; None for a plan nobody will execute, e.g. in tests).
+        shared_tokens: per scheduled row, its past tokens in blocks an earlier row of the step reads too
+            (`cbnb.core.cache.manager.CacheManager.shared_reads`); [] when nothing is shared or the core does not
+            measure it (`EngineCore.measure_shared_reads`).
     """
 
     step_id: int
@@ -287,6 +290,7 @@ class StepWork:
     schedule_s: float = 0.0
     t0: float = 0.0
     kv: StepKV | None = None
+    shared_tokens: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -105,6 +105,7 @@ class EngineBuilder:
                              prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=sink)
         store = KVStore(layout, mp.num_sectors, self.device, self.dtype, swap_sectors=swap)
         core = EngineCore(resolved, cache, on_terminal=on_terminal)
+        core.measure_shared_reads = self.device.type == "cpu"  # recorded for the simulator's CPU cost model
         runner = make_runner(self.model, cache, store, seed=resolved.seed)
         return EngineParts(config, resolved, layout, mp, cache, store, runner, core)
 

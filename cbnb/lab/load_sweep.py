@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     loads: dict[str, Any] = ({"rates": [float(x) for x in args.rates.split(",")]} if args.rates else
                              {"concurrencies": [int(x) for x in args.concurrencies.split(",")]})
     curves = []
+    model = None
     print(f"load average before: {os.getloadavg()}")
     if args.real:
         import torch
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         from ..sim import SimEngine, calibrate
 
-        prof = calibrate(wl.model, save=False, threads=args.threads) if args.profile == "calibrate" else args.profile
+        prof = (calibrate(wl.model, save=False, threads=args.threads, model=model) if args.profile == "calibrate"
+                else args.profile)
         curves.append(load_sweep(SimEngine(wl.model, prof, cfg, dtype=wl.dtype), wl, progress=True, **loads))
     print(f"load average after: {os.getloadavg()}")
     if not curves:

@@ -25,8 +25,15 @@ METHODS = {
                          "flushed before each run: the bytes the cost model counts for them per second",
     "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
                         "bytes the cost model counts per second",
-    "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu_kernels, float32) for "
-                               "16 decode rows over 512 keys in pages of 16: the bytes the cost model counts per s",
+    "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu_kernels, float32), "
+                               "cold (each layer's own pages, weights streamed between calls), 16 rows x 512 keys "
+                               "and 1 row x 64 keys in pages of 16: the bytes the cost model counts per s",
+    "decode_kernel_call_s": "same two points: the fixed cost of one call",
+    "decode_kernel_shared_bandwidth": "the same kernel, 16 rows x 512 keys whose first 448 are one shared prefix: "
+                                      "the rate over the prefix keys after the first row's",
+    "cost_factors": "cbnb.Engine on a random-weight model of the shape (prefill chunks with and without a past, "
+                    "decode at 1, 4 and 12 rows), the cost model's groups scaled to its step times (least squares "
+                    "on relative error)",
     "kernel_launch_s": "one small tensor op (dispatch)",
     "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, least-squares fit over 2/8 "
                        "layers and 1/8/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
@@ -199,30 +206,70 @@ def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: f
     return curve
 
 
-def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float | None:
+def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float] | None:
     """The CPU runner's compiled decode kernel (`cbnb.runner.cpu_kernels.paged_decode`, what the runner uses for
-    float32 decode rows when it is available), 16 rows over 512 keys in pages of 16; the bytes the cost model counts
-    for it per second (`cbnb.sim.cost.decode_kernel_bytes`). None when the kernel is unavailable or not float32."""
+    float32 decode rows when it is available), cold as in a forward: one call per layer over that layer's own pages
+    (as many layers as the shape has, up to 256 MiB of pages), a layer's worth of weights streamed between calls.
+    Two points, 16 rows over 512 keys and 1 row over 64 keys in pages of 16, give the bandwidth (the bytes the
+    cost model counts per second, `cbnb.sim.cost.kernel_thread_bytes`) and the fixed cost of a call; a third, the
+    16 rows with their first 448 keys in one shared prefix, the rate over keys another row read first (cache-hot).
+    None when the kernel is unavailable or not float32."""
     from ..runner import cpu_kernels
-    from .cost import decode_kernel_bytes
+    from .cost import kernel_thread_bytes
 
     if dt != torch.float32 or not (cpu_kernels.enabled() and cpu_kernels.available()):
         return None
-    rows, keys, page, H, Hkv, d = 16, 512, 16, s.num_heads, s.num_kv_heads, s.head_dim
-    width = keys // page
-    n_blocks = rows * width + 8
-    k_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
-    v_pages = torch.randn(n_blocks, page, Hkv, d, dtype=dt)
-    table = torch.randperm(n_blocks)[: rows * width].view(rows, width).contiguous()
-    q = torch.randn(rows, H, d, dtype=dt)
-    out = torch.empty_like(q)
-    idx = torch.arange(rows, dtype=torch.long)
-    lens = torch.full((rows,), keys, dtype=torch.long)
-    t = _median_time(lambda: cpu_kernels.paged_decode(q, k_pages, v_pages, idx, table, lens, keys, d ** -0.5, out),
-                     reps)
-    rate = decode_kernel_bytes(s, [keys] * rows) / t
-    log(f"decode kernel {rate / 1e9:.1f} GB/s (counted bytes)")
-    return rate
+    page, H, Hkv, d = 16, s.num_heads, s.num_kv_heads, s.head_dim
+    threads = torch.get_num_threads()
+    layer_w = (2 * s.hidden_size * (s.num_heads + s.num_kv_heads) * d + 3 * s.hidden_size * s.intermediate_size)
+    flush = torch.empty(max(1, min(layer_w, 64 << 20 >> 2)), dtype=dt)  # a layer's weights pass through the caches
+
+    def per_call(rows: int, keys: int, shared: int = 0) -> float:
+        width = -(-keys // page)
+        n_blocks = rows * width + 2
+        pool_bytes = 2 * n_blocks * page * Hkv * d * 4
+        layers = max(1, min(s.num_layers, (256 << 20) // pool_bytes))
+
+        def table() -> torch.Tensor:
+            t = torch.randperm(n_blocks)[: rows * width].view(rows, width).contiguous()
+            t[:, : shared // page] = t[0, : shared // page]  # every row's table starts with one shared prefix
+            return t
+
+        pools = [(torch.randn(n_blocks, page, Hkv, d, dtype=dt), torch.randn(n_blocks, page, Hkv, d, dtype=dt),
+                  table()) for _ in range(layers)]
+        q = torch.randn(rows, H, d, dtype=dt)
+        out = torch.empty_like(q)
+        idx = torch.arange(rows, dtype=torch.long)
+        lens = torch.full((rows,), keys, dtype=torch.long)
+        samples = []
+        for _ in range(reps):
+            total = 0.0
+            for k_pages, v_pages, table in pools:
+                flush.add_(1.0)
+                t0 = time.perf_counter()
+                cpu_kernels.paged_decode(q, k_pages, v_pages, idx, table, lens, keys, d ** -0.5, out)
+                total += time.perf_counter() - t0
+            samples.append(total / layers)
+        return statistics.median(samples)
+
+    big, small = (16, 512), (1, 64)
+    t_big, t_small = per_call(*big), per_call(*small)
+    b_big = kernel_thread_bytes(s, [big[1]] * big[0], threads)
+    b_small = kernel_thread_bytes(s, [small[1]] * small[0], threads)
+    # t = call + bytes / bw through both points (bw from the difference; call never negative)
+    bw = (b_big - b_small) / max(t_big - t_small, 1e-9)
+    call = max(0.0, t_small - b_small / bw)
+    # the same rows with a shared prefix of 448 keys and 64 keys of their own: row 0 reads the prefix from memory,
+    # the other rows find it in the caches
+    prefix = big[1] - 64
+    t_shared = per_call(*big, shared=prefix)
+    hot = (big[0] - 1) * prefix * 2 * Hkv * d * 4
+    rest = t_shared - call - (b_big - hot) / bw
+    hot_bw = hot / rest if rest > hot / (16 * bw) else 16 * bw  # never below the cold rate, at most 16x it
+    hot_bw = max(hot_bw, bw)
+    log(f"decode kernel {bw / 1e9:.1f} GB/s (counted bytes, cold), {call * 1e6:.1f} us per call, "
+        f"{hot_bw / 1e9:.1f} GB/s over a prefix another row read")
+    return {"bandwidth": bw, "call_s": call, "shared_bandwidth": hot_bw}
 
 
 def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float:
@@ -319,3 +366,148 @@ def _fixed_costs(s: ModelShape, quick: bool, log: Callable[..., None]) -> dict[s
     # More layers or more rows never make a step cheaper: when they do, the machine was too busy to measure.
     noisy = any(t[2, b] > t[8, b] for b in (1, 8, 16)) or any(t[L, 1] > t[L, 16] for L in (2, 8))
     return {"step_s": base, "layer_s": layer, "call_s": call, "request_s": req, "noisy": noisy}
+
+
+# The end-to-end runs behind `cost_factors`: (requests, prompt tokens, new tokens). A long prompt alone (a full
+# 512-token chunk, then decode over ~500 keys), a few short ones (decode at 4 rows), and 12 mid-sized ones (chunks
+# with a past, then decode at 12 rows). None of them is a validation workload.
+_FIT_RUNS = ((1, 480, 10), (4, 40, 24), (12, 160, 16), (32, 24, 8))
+# The compute factor is a curve over the step's query tokens at these rows (a forward's small GEMMs lose more to
+# their neighbours than its large ones), linear in log rows between them.
+_FIT_COMPUTE_ROWS = (1, 16, 512)
+# Each fit run runs this many times; a step's time is its fastest (the same plan every time: all requests arrive
+# before the first step).
+_FIT_REPEATS = 2
+_FIT_BOUNDS = (0.25, 4.0)
+# Ridge toward 1: moving a factor by 1 costs as much as 10 % more error on every step where its group is at least
+# 5 % of the time, so a group the runs barely determine (collinear with another) stays near its microbenchmark value.
+_FIT_RIDGE = 0.01
+
+
+def _shape_model(s: ModelShape, budget_bytes: int) -> tuple[Any, ModelShape]:
+    """A random-weight model of the shape (float32), with fewer layers when the whole one would exceed
+    `budget_bytes`; returns it and the shape it has."""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layer_bytes = max(1, (s.weight_bytes() - s.vocab_size * s.hidden_size * s.itemsize) // max(1, s.num_layers))
+    layers = max(2, min(s.num_layers, budget_bytes // layer_bytes))
+    types = tuple(s.layer_types[:layers]) if s.layer_types else None
+    kw: dict[str, Any] = dict(num_hidden_layers=layers, hidden_size=s.hidden_size,
+                              intermediate_size=s.intermediate_size, num_attention_heads=s.num_heads,
+                              num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, vocab_size=s.vocab_size,
+                              max_position_embeddings=max(4096, s.max_position_embeddings or 0),
+                              tie_word_embeddings=s.tie_word_embeddings)
+    if types is not None:
+        kw["layer_types"] = list(types)
+    if s.sliding_window is not None:
+        kw["sliding_window"] = s.sliding_window
+    try:
+        cfg = AutoConfig.for_model(s.model_type, **kw)
+    except (ValueError, KeyError):
+        cfg = AutoConfig.for_model("llama", **{k: v for k, v in kw.items() if k != "layer_types"})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, s.dtype))
+    model.requires_grad_(False)
+    return model.eval(), dataclasses.replace(s, num_layers=layers, layer_types=types)
+
+
+def _engine_steps(model: Any, requests: int, prompt: int, new: int) -> list[tuple[float, tuple]]:
+    """(measured seconds, plan rows) of every step of one cbnb.Engine run (all requests in before the first step).
+    Plan rows are (start, tokens, samples, shared tokens) as `cbnb.sim.cost.StepLoad.of` takes them."""
+    from ..core.config import ContinuousBatchingConfig
+    from ..engine.engine import Engine
+
+    cfg = ContinuousBatchingConfig(page_size=32, num_blocks=requests * (-(-(prompt + new) // 32)) + 8,
+                                   max_batch_tokens=512)
+    eng = Engine(model, config=cfg)
+    try:
+        with submitted_together(eng, timeout=60):
+            handles = [eng.submit([10 + (7 * i + j) % 400 for j in range(prompt)], max_new_tokens=new,
+                                  eos_token_id=-1) for i in range(requests)]
+        for hd in handles:
+            hd.result(timeout=600)
+    finally:
+        eng.stop()
+    plans = {e.step: e for e in eng.events.events("step_planned")}
+    out = []
+    for e in eng.events.events("step_timing"):
+        p = plans.get(e.step)
+        if p is None:
+            continue
+        shared = p.shared_tokens or [0] * len(p.taken)
+        rows = tuple((start, n, phase == "decode" or start + n >= prompt, sh)
+                     for (_rid, phase, n, start, _h), sh in zip(p.taken, shared))
+        out.append((e.t - p.t, rows))
+    return out
+
+
+def fit_factors(s: ModelShape, profile: Any, log: Callable[..., None], model: Any = None,
+                budget_bytes: int = 1 << 30) -> dict[str, Any]:
+    """`HardwareProfile.cost_factors` for `profile` (its microbenchmark figures, factors 1): run `_FIT_RUNS` on
+    cbnb.Engine (`model`, or a random-weight model of the shape; each `_FIT_REPEATS` times, a step's fastest time
+    kept) and find the factors that minimise the squared
+    relative error of the cost model's step times plus a ridge toward 1, ``sum_s ((sum_g f_g t_sg - m_s) / m_s)^2 +
+    sum_g _FIT_RIDGE n_g (f_g - 1)^2`` with n_g the steps where group g is at least 5 % of the step (linear; a
+    factor outside `_FIT_BOUNDS` is clamped and the others refitted). Groups with no time in the
+    runs keep factor 1. Returns {"factors", "steps", "error_pct_before", "error_pct_after"} (median |relative step
+    error| of the fit runs with factors 1 and with the fitted ones)."""
+    import numpy as np
+
+    from .cost import CostModel, StepLoad, log_interp_weights
+
+    if model is None:
+        model, fit_shape = _shape_model(s, budget_bytes)
+    else:
+        fit_shape = s
+    base = profile.replace(cost_factors=None)
+    from ..core.config import ContinuousBatchingConfig
+
+    cost = CostModel(fit_shape, base, ContinuousBatchingConfig(page_size=32, max_batch_tokens=512))
+    names = tuple(f"compute@{r}" for r in _FIT_COMPUTE_ROWS) + ("attention", "decode_attention", "fixed")
+    rows, meas = [], []
+    for i, run in enumerate(_FIT_RUNS):
+        steps = _engine_steps(model, *run)
+        for _ in range(_FIT_REPEATS - 1):  # a neighbour only ever slows a step: keep each step's fastest repeat
+            again = _engine_steps(model, *run)
+            if [p for _, p in again] == [p for _, p in steps]:
+                steps = [(min(m, m2), p) for (m, p), (m2, _) in zip(steps, again)]
+        for j, (m, plan) in enumerate(steps):
+            if (i == 0 and j == 0) or m <= 0 or not plan:
+                continue  # the very first step also pays one-off warm-up
+            load = StepLoad.of(plan)
+            g = cost.step(load).groups
+            w = log_interp_weights(list(_FIT_COMPUTE_ROWS), load.num_tokens)
+            rows.append([g["compute"] * wi for wi in w] + [g[k] for k in names[len(w):]] + [g["swap"]])
+            meas.append(m)
+    a = np.array(rows)
+    y = np.array(meas)
+    free = [k for k in range(len(names)) if a[:, k].sum() > 0]
+    fixed = {k: 1.0 for k in range(len(names)) if k not in free}
+    lo, hi = _FIT_BOUNDS
+    # per group: the steps where it is at least 5 % of the step
+    lam_g = _FIT_RIDGE * np.maximum(1, (a[:, :-1] >= 0.05 * y[:, None]).sum(0))
+    while True:
+        cols = [k for k in free if k not in fixed]
+        rhs = (y - a[:, -1] - sum(a[:, k] * v for k, v in fixed.items())) / y
+        x = a[:, cols] / y[:, None]
+        lam = np.diag(lam_g[cols])
+        coef = np.linalg.solve(x.T @ x + lam, x.T @ rhs + lam.sum(1)) if cols else []
+        out = dict(zip(cols, (float(c) for c in coef)))
+        bad = {k: min(max(v, lo), hi) for k, v in out.items() if not lo <= v <= hi}
+        if not bad:
+            break
+        worst = max(bad, key=lambda k: abs(np.log(max(out[k], 1e-9) / bad[k])))
+        fixed[worst] = bad[worst]
+    fitted = {names[k]: round(v, 4) for k, v in {**out, **fixed}.items()}
+    f = np.array([fitted[k] for k in names] + [1.0])
+    factors: dict[str, Any] = {k: fitted[k] for k in names if not k.startswith("compute@")}
+    factors["compute"] = [[r, fitted[f"compute@{r}"]] for r in _FIT_COMPUTE_ROWS]
+    before = float(np.median(np.abs(a[:, :-1].sum(1) + a[:, -1] - y) / y))
+    after = float(np.median(np.abs(a @ f - y) / y))
+    log("cost factors " + ", ".join(f"{k} {v:.2f}" for k, v in fitted.items())
+        + f"  (fit runs: median step error {100 * before:.1f} % -> {100 * after:.1f} %, {len(y)} steps)")
+    return {"factors": factors, "steps": len(y), "error_pct_before": round(100 * before, 1),
+            "error_pct_after": round(100 * after, 1)}

@@ -14,7 +14,13 @@ What is measured (medians of repeated timings; nothing here looks at the validat
 5. **fixed costs**: `cbnb.Engine` (its runner, paged attention, sampler, core and telemetry) serving two tiny random
    models of the shape's architecture (width 64, so that compute is negligible) with 2 and 8 layers, at 1, 8 and 16
    decode rows: the per-step overhead, per decoder layer, per attention call and per request, by least squares;
-6. **per-kernel dispatch**: one small tensor op.
+6. **per-kernel dispatch**: one small tensor op;
+7. **end-to-end factors** (`HardwareProfile.cost_factors`): `cbnb.Engine` serving a random-weight model of the shape
+   (three short runs: a lone 480-token prompt, 4 short prompts, 12 mid-sized ones in chunks with a past; none is a
+   validation workload), and the cost model's groups (compute, prefill attention, decode attention, fixed costs)
+   scaled to its measured step times by least squares on relative error. The microbenchmarks time each operator
+   alone; in a forward, operators share the caches and the cores with their neighbours, which they do not see
+   (measured 2026-12-03: steps ~1.3-1.5x the microbenchmarks' sum on this 2-core machine).
 
 With torch absent, a rough profile comes from NumPy (bandwidth, GEMMs, one op's cost); the fixed costs are then
 estimated from the op cost and kernel counts, and the profile's notes say so.
@@ -45,7 +51,7 @@ def _available_memory() -> int:
 
 def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str = "cpu", threads: int | None = None,
               save: bool | str = True, quick: bool = False, budget_s: float = 60.0,
-              verbose: bool = False, busy: str = "warn") -> HardwareProfile:
+              verbose: bool = False, busy: str = "warn", fit: bool | None = None, model: Any = None) -> HardwareProfile:
     """Measure this CPU as a `HardwareProfile` (see the module docstring for what and how).
 
     Args:
@@ -62,6 +68,10 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
             number of cores before measuring, or after it above the cores plus our own threads): "warn" (default: a
             RuntimeWarning, and the profile is marked: ``provenance["details"]["busy"]`` and its notes),
             "refuse" (RuntimeError before measuring anything), "ignore".
+        fit: also measure `HardwareProfile.cost_factors` end to end (step 7 of the module docstring; about 15 s
+            for smollm2-135m); default: unless `quick`. Needs torch and transformers.
+        model: a loaded model of the shape to run the end-to-end runs on (its weights do not matter); default: a
+            random-weight one built from the shape (at most 1 GiB of weights: fewer layers for a larger shape).
 
     Returns:
         The profile (saved unless `save` is False); ``provenance`` is {"kind": "calibrated", "details": {load
@@ -104,7 +114,11 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         kernel_launch_s=figures["op_s"], layer_overhead_s=figures["layer_s"], attention_call_s=figures["call_s"],
         request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
         attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
-        gather_bandwidth=figures.get("gather"), decode_kernel_bandwidth=figures.get("decode_kernel"),
+        gather_bandwidth=figures.get("gather"),
+        decode_kernel_bandwidth=(figures.get("decode_kernel") or {}).get("bandwidth"),
+        decode_kernel_call_s=(figures.get("decode_kernel") or {}).get("call_s", 0.0),
+        decode_kernel_shared_bandwidth=(figures.get("decode_kernel") or {}).get("shared_bandwidth"),
+        threads=int(figures.get("threads") or 1),
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
                f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
@@ -115,6 +129,22 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
                                                       "cores": cores, "threads": figures.get("threads"),
                                                       "busy": is_busy}},
     )
+    if (not quick if fit is None else fit) and figures["backend"].startswith("torch"):
+        import torch
+
+        threads_before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            res = impl.fit_factors(s, profile, log, model=model)
+        finally:
+            torch.set_num_threads(threads_before)
+        details = dict(profile.provenance["details"], cost_factor_fit=res)
+        profile = profile.replace(cost_factors=res["factors"],
+                                  provenance=dict(profile.provenance, details=details),
+                                  notes=profile.notes + f"; cost factors {res['factors']} fitted on {res['steps']} "
+                                  f"engine steps (their median error {res['error_pct_before']} % -> "
+                                  f"{res['error_pct_after']} %)")
     if save:
         path = profile.save(None if save is True else save)
         log(f"saved {path}")

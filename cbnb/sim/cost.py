@@ -16,6 +16,14 @@ operator like Vidur, Agrawal et al., MLSys 2024)::
              = host + max(launch, compute)                  (runner "cuda", eager: launches overlap kernels)
              = host + compute                               (runner "cuda", CUDA graph replay)
 
+On a profile with `cost_factors` (CPU, fitted end to end by `calibrate()`), each group is scaled by its factor:
+compute (linear, elementwise, lm_head, sample; a curve over the step's query tokens), prefill attention, decode
+attention and fixed (host + launch);
+`StepCost.groups` keeps the unscaled seconds. The CPU decode kernel costs ``decode_kernel_call_s +
+kernel_thread_bytes / decode_kernel_bandwidth`` per layer (its busiest thread, see `kernel_thread_bytes`); a row's
+keys in blocks an earlier row of the step read (a shared prefix, cache-hot) count at ``decode_kernel_bandwidth /
+decode_kernel_shared_bandwidth``.
+
 with T query tokens in the step (padded as the CUDA runner pads graph shapes), B scheduled requests, S sampled rows,
 L decoder layers, ``a`` bytes per element, h hidden, I intermediate, H/Hkv heads, d head_dim, V vocab. With async
 batching (`SimEngine`), the host part of step N+1 overlaps the device part of step N, as in cbnb's engine loop.
@@ -44,6 +52,7 @@ Once per step: **lm_head** ``2 S h V`` FLOPs over ``a h V`` weight bytes (only s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -51,18 +60,20 @@ from .profiles import HardwareProfile
 from .shapes import ModelShape
 
 __all__ = ["RowLoad", "StepLoad", "StepCost", "CostModel", "sum_keys", "elementwise_elems", "gathered_decode_bytes",
-           "decode_kernel_bytes", "pad_to_interval", "next_pow2"]
+           "decode_kernel_bytes", "kernel_thread_bytes", "log_interp_weights", "pad_to_interval", "next_pow2"]
 
 _EXTRA_KERNELS = 8  # embedding, final norm, LM head, logits gather, sampling, copies (eager, per step)
 
 
 @dataclass(frozen=True)
 class RowLoad:
-    """One scheduled request: `start` past tokens (its first position), `tokens` query tokens, `samples`."""
+    """One scheduled request: `start` past tokens (its first position), `tokens` query tokens, `samples`, and
+    `shared` of its past tokens in blocks an earlier row of the step also reads (`cbnb.core.plan.StepWork`)."""
 
     start: int
     tokens: int
     samples: bool
+    shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,8 @@ class StepLoad:
     def from_work(cls, work: Any, layout: Any) -> "StepLoad":
         """Read a `cbnb.core.engine_core.StepWork`: scheduled requests, swap-outs and restores (bytes per block per
         group)."""
-        rows = tuple(RowLoad(s.start, s.num_tokens, s.samples) for s in work.plan.scheduled)
+        shared = work.shared_tokens or [0] * len(work.plan.scheduled)
+        rows = tuple(RowLoad(s.start, s.num_tokens, s.samples, sh) for s, sh in zip(work.plan.scheduled, shared))
         nbytes = 0
         for _, so in work.swap_outs:
             nbytes += sum(len(gp) * layout.bytes_per_block(g) for g, gp in enumerate(so.pairs))
@@ -85,9 +97,10 @@ class StepLoad:
         return cls(rows, nbytes)
 
     @classmethod
-    def of(cls, rows: Iterable[tuple[int, int, bool]], swap_bytes: int = 0) -> "StepLoad":
-        """From ``(start, tokens, samples)`` triples."""
-        return cls(tuple(RowLoad(int(s), int(n), bool(x)) for s, n, x in rows), int(swap_bytes))
+    def of(cls, rows: Iterable[tuple], swap_bytes: int = 0) -> "StepLoad":
+        """From ``(start, tokens, samples)`` triples or ``(start, tokens, samples, shared)`` quadruples."""
+        return cls(tuple(RowLoad(int(r[0]), int(r[1]), bool(r[2]), int(r[3]) if len(r) > 3 else 0) for r in rows),
+                   int(swap_bytes))
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +128,9 @@ class StepCost:
         parts: seconds per group ("linear", "attention", "elementwise", "lm_head", "sample", "swap").
         flops, bytes: totals over the step.
         graph: whether the step ran as a CUDA graph replay.
+        groups: seconds per group of the profile's `cost_factors` ("compute", "attention", "decode_attention",
+            "fixed") and "swap", before the factors: on the CPU runner ``total_s = sum(factor_g * groups[g])``
+            (swap unscaled), what `cbnb.sim.calibrate` fits the factors with.
     """
 
     host_s: float
@@ -125,6 +141,7 @@ class StepCost:
     flops: float = 0.0
     bytes: float = 0.0
     graph: bool = False
+    groups: dict[str, float] = field(default_factory=dict)
 
     @property
     def device_s(self) -> float:
@@ -147,12 +164,48 @@ def gathered_decode_bytes(shape: ModelShape, kv_lens: list[int], page: int) -> i
     return sum(kv * kvb + qo + kvb for kv in kv_lens) + 2 * len(kv_lens) * width * page * kvb
 
 
-def decode_kernel_bytes(shape: ModelShape, kv_lens: list[int]) -> int:
+def decode_kernel_bytes(shape: ModelShape, kv_lens: list[float]) -> float:
     """Bytes the cost model counts for the CPU decode kernel over rows with these KV lengths (one layer): each row's
     K/V read in place, its query and output, and its new K/V."""
     kvb = 2 * shape.num_kv_heads * shape.head_dim * shape.itemsize
     qo = 2 * shape.num_heads * shape.head_dim * shape.itemsize
     return sum(kv * kvb + qo + kvb for kv in kv_lens)
+
+
+def kernel_thread_bytes(shape: ModelShape, kv_lens: list[float], threads: int | None) -> float:
+    """`decode_kernel_bytes` (`kv_lens` may be fractional: cache-hot keys weighted) as the CPU decode kernel's threads
+    see it: its work items are (row, KV head) pairs,
+    handed out dynamically, so the call lasts as long as the busiest thread; returns ``threads`` x that thread's
+    bytes (largest items first onto the least-loaded thread, Graham's LPT rule). Equals `decode_kernel_bytes` when
+    the items spread evenly (or `threads` is None / 1)."""
+    total = decode_kernel_bytes(shape, kv_lens)
+    T = int(threads or 1)
+    hkv = shape.num_kv_heads
+    if T <= 1 or not kv_lens or len(kv_lens) * hkv >= 8 * T:  # many items: the dynamic schedule evens them out
+        return float(total)
+    loads = [0.0] * T
+    items = sorted((decode_kernel_bytes(shape, [kv]) / hkv for kv in kv_lens for _ in range(hkv)), reverse=True)
+    for b in items:
+        j = loads.index(min(loads))
+        loads[j] += b
+    return T * max(loads)
+
+
+def log_interp_weights(rows: list[float], n: float) -> list[float]:
+    """Weights of linear interpolation in log(rows) at `n` over the sorted points `rows` (held beyond the ends):
+    ``value(n) = sum_i w_i value_i``, the weights sum to 1."""
+    w = [0.0] * len(rows)
+    x = math.log(max(1.0, float(n)))
+    xs = [math.log(max(1.0, float(r))) for r in rows]
+    if x <= xs[0]:
+        w[0] = 1.0
+    elif x >= xs[-1]:
+        w[-1] = 1.0
+    else:
+        i = next(i for i in range(1, len(xs)) if x <= xs[i])
+        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        w[i - 1], w[i] = 1.0 - f, f
+    return w
 
 
 def sum_keys(start: int, n: int, window: int | None) -> int:
@@ -206,6 +259,11 @@ class CostModel:
         self.linear_act_elems = 7 * h + (2 * H + 2 * Hkv) * d + 3 * i
         self.elementwise_elems = elementwise_elems(s)
         self.kv_token_bytes = 2 * Hkv * d * self.a  # K and V of one token in one layer
+        f = dict(profile.cost_factors or {})
+        fc = f.get("compute", 1.0)
+        self.f_compute_curve = [(float(r), float(v)) for r, v in fc] if isinstance(fc, (list, tuple)) else [(1.0, fc)]
+        self.f_attention = f.get("attention", 1.0)
+        self.f_decode, self.f_fixed = f.get("decode_attention", 1.0), f.get("fixed", 1.0)
         types = s.layer_types or (("sliding_attention" if s.sliding_window else "full_attention"),) * s.num_layers
         self.groups: list[tuple[int, int | None]] = []  # (layers, window)
         for t in dict.fromkeys(types):
@@ -223,8 +281,19 @@ class CostModel:
             return next_pow2(len(load.rows), self.max_requests)
         return pad_to_interval(t, self.q_interval, self.max_tokens)
 
-    def _attention(self, rows: tuple[RowLoad, ...], window: int | None) -> tuple[float, float, float, int]:
-        """(seconds, FLOPs, bytes, calls) of one layer of a group with this window."""
+    def _kernel_keys(self, r: RowLoad, window: int | None) -> float:
+        """A decode row's keys for the CPU kernel's bandwidth: shared keys (cache-hot, full attention only) count at
+        the ratio of the two measured rates."""
+        p = self.profile
+        if window is not None:
+            return float(min(r.start + 1, window))
+        hot = min(r.shared, r.start) if p.decode_kernel_shared_bandwidth else 0
+        ratio = p.decode_kernel_bandwidth / p.decode_kernel_shared_bandwidth if hot else 0.0
+        return r.start + 1 - hot + hot * ratio
+
+    def _attention(self, rows: tuple[RowLoad, ...], window: int | None) -> tuple[float, float, float, float, int]:
+        """(seconds of the prefill chunks, seconds of the decode rows, FLOPs, bytes, calls) of one layer of a group
+        with this window (before the profile's cost factors)."""
         s, p = self.shape, self.profile
         qo = 2 * s.num_heads * s.head_dim * self.a
         per_key = 4 * s.num_heads * s.head_dim
@@ -266,24 +335,27 @@ class CostModel:
             flops += f
             nbytes += row_bytes
             t += self._roofline(f, row_bytes, p.attention_rate(self.dtype, r.tokens))
+        t_dec = 0.0  # decode rows (the compiled kernel, or the per-row / batched torch paths)
         if dec_flops or dec_bytes:
-            t += self._roofline(dec_flops, dec_bytes, p.attention_rate(self.dtype, 1))
+            t_dec += self._roofline(dec_flops, dec_bytes, p.attention_rate(self.dtype, 1))
             flops += dec_flops
             nbytes += dec_bytes
         if k_bytes:
             calls += 1
-            t += k_bytes / p.decode_kernel_bandwidth
+            t_dec += p.decode_kernel_call_s + kernel_thread_bytes(
+                s, [self._kernel_keys(r, window) for r in rows if r.tokens == 1 and r.start > 0],
+                p.threads) / p.decode_kernel_bandwidth
             nbytes += k_bytes
         if gathered:
             calls += 1
             b = gathered_decode_bytes(s, gathered, page)
-            t += b / p.gather_bandwidth if p.gather_bandwidth else self._roofline(g_flops, b, p.attention_rate(
+            t_dec += b / p.gather_bandwidth if p.gather_bandwidth else self._roofline(g_flops, b, p.attention_rate(
                 self.dtype, 1))
             flops += g_flops
             nbytes += b
         if not cpu:
             calls = 1 + (1 if has_prefill else 0) + (2 if dec_flops or gathered else 0)
-        return t, flops, nbytes, calls
+        return t, t_dec, flops, nbytes, calls
 
     # ------------------------------------------------------------------------------------------ a step
     def step(self, load: StepLoad) -> StepCost:
@@ -293,6 +365,7 @@ class CostModel:
         graph = p.runner == "cuda" and bool(load.rows) and (self.graph_decode if load.is_decode else self.graph_varlen)
         host = (p.step_overhead_graph_s if graph else p.step_overhead_s) + B * p.request_overhead_s
         parts: dict[str, float] = {}
+        groups = dict.fromkeys(("compute", "attention", "decode_attention", "fixed", "swap"), 0.0)
         flops = nbytes = 0.0
         calls = 0
         if load.rows:
@@ -306,14 +379,14 @@ class CostModel:
             b = a * T * self.elementwise_elems
             parts["elementwise"] = (L * b + a * T * 8 * s.hidden_size) / p.elementwise_rate(self.dtype, T)
             nbytes += L * b
-            att = 0.0
             for layers, window in self.groups:
-                t, af, ab, c = self._attention(load.rows, window)
-                att += layers * t
+                t, td, af, ab, c = self._attention(load.rows, window)
+                groups["attention"] += layers * t
+                groups["decode_attention"] += layers * td
                 flops += layers * af
                 nbytes += layers * ab
                 calls += layers * c
-            parts["attention"] = att
+            parts["attention"] = self.f_attention * groups["attention"] + self.f_decode * groups["decode_attention"]
             f = 2.0 * S * s.hidden_size * s.vocab_size
             b = a * s.hidden_size * (s.vocab_size + S) + 4 * S * s.vocab_size
             parts["lm_head"] = self._roofline(f, b, p.gemm_rate(self.dtype, max(S, 1))) if S else 0.0
@@ -322,17 +395,31 @@ class CostModel:
             nbytes += (b if S else 0) + 12.0 * S * s.vocab_size
         parts["swap"] = load.swap_bytes / p.host_device_bandwidth
         nbytes += load.swap_bytes
+        f_compute = self.compute_factor(load.num_tokens)
+        for k in ("linear", "elementwise", "lm_head", "sample"):
+            if k in parts:
+                groups["compute"] += parts[k]
+                parts[k] *= f_compute
+        groups["swap"] = parts["swap"]
         compute = sum(parts.values())
         if graph or not load.rows:
             launch = 0.0
         else:
             launch = (s.num_layers * p.layer_launch_s + calls * p.attention_call_cost_s
                       + _EXTRA_KERNELS * p.kernel_launch_s)
+        groups["fixed"] = host + launch
+        launch *= self.f_fixed
+        host *= self.f_fixed
         if p.runner == "cpu" or graph:
             total = host + launch + compute
         else:
             total = host + max(launch, compute)
-        return StepCost(host, launch, compute, total, parts, flops, nbytes, graph)
+        return StepCost(host, launch, compute, total, parts, flops, nbytes, graph, groups)
+
+    def compute_factor(self, tokens: int) -> float:
+        """The profile's compute factor at a step of `tokens` query tokens (its curve interpolated in log rows)."""
+        rows = [r for r, _ in self.f_compute_curve]
+        return sum(w * v for w, (_, v) in zip(log_interp_weights(rows, tokens), self.f_compute_curve))
 
     def __call__(self, load: StepLoad) -> float:
         return self.step(load).total_s

@@ -184,6 +184,7 @@ class SimEngine(SimDriving, EngineShell):
                              prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=rec.sink)
         core = EngineCore(resolved, cache, on_terminal=self._on_terminal, clock=self._clock)
         core.kv_for_runner = False  # the cost model reads the plan's loads, not block tables
+        core.measure_shared_reads = self.profile.runner == "cpu"  # the CPU decode kernel prices a shared prefix
         carry_step_id(self._loop.core, core)
         self.user_config, self.config, self.layout, self.memory, self.swap_sectors = (
             config, resolved, layout, memory, swap)

@@ -86,6 +86,17 @@ class HardwareProfile:
             (`cbnb.runner.cpu_kernels`, float32 only), which computes every decode row of a layer in one call reading
             the pages in place; None: the kernel is not modelled (the runner's torch path: per-row calls and the
             page gather).
+        decode_kernel_call_s: fixed seconds of one call of that kernel (one per layer) beyond its bytes.
+        decode_kernel_shared_bandwidth: the same kernel's rate over keys in blocks an earlier row of the step read
+            already (a shared prefix, then in the CPU's caches: `cbnb.core.plan.RowKV.shared_tokens`); None: as
+            `decode_kernel_bandwidth`.
+        threads: CPU threads the figures were measured with; the decode kernel's thread imbalance (few rows: fewer
+            (row, KV head) items than threads can share evenly) is modelled with it. None: not modelled.
+        cost_factors: multipliers of the cost model's groups, measured end to end (`cbnb.sim.calibrate` runs
+            `cbnb.Engine` on a random-weight model of the shape and fits them to its step times): "compute" (linear,
+            elementwise, LM head, sampling; a number, or a curve ``[[rows, factor], ...]`` over the step's query
+            tokens, interpolated in log rows), "attention" (prefill chunks), "decode_attention" (decode rows) and
+            "fixed" (host work and launches). None: all 1.
         reserved_bytes: device memory the engine cannot use (CUDA context, allocator); subtracted before sizing.
         host_memory_bytes: host RAM available for the swap pool (None: unlimited).
         allow_tf32: float32 GEMMs use the "tf32" rate (PyTorch's default is off).
@@ -121,6 +132,10 @@ class HardwareProfile:
     elementwise_curve: Mapping[str, list] | None = None
     gather_bandwidth: float | None = None
     decode_kernel_bandwidth: float | None = None
+    decode_kernel_call_s: float = 0.0
+    decode_kernel_shared_bandwidth: float | None = None
+    threads: int | None = None
+    cost_factors: Mapping[str, float] | None = None
     reserved_bytes: int = 0
     host_memory_bytes: int | None = None
     allow_tf32: bool = False
@@ -163,10 +178,35 @@ class HardwareProfile:
                   "reserved_bytes"):
             _positive(f, getattr(self, f), zero_ok=True)
         for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "gather_bandwidth",
-                  "decode_kernel_bandwidth", "host_memory_bytes"):
+                  "decode_kernel_bandwidth", "decode_kernel_shared_bandwidth", "host_memory_bytes"):
             if getattr(self, f) is not None:
                 _positive(f, getattr(self, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth",
-                                                                 "decode_kernel_bandwidth"))
+                                                                 "decode_kernel_bandwidth",
+                                                                 "decode_kernel_shared_bandwidth"))
+        _positive("decode_kernel_call_s", self.decode_kernel_call_s, zero_ok=True)
+        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ValueError(f"HardwareProfile.threads must be an integer >= 1 or None; got {self.threads!r}")
+        if self.cost_factors is not None:
+            bad = sorted(set(self.cost_factors) - set(COST_FACTORS))
+            if bad:
+                raise ValueError(f"HardwareProfile.cost_factors: unknown group(s) {', '.join(bad)}; allowed: "
+                                 f"{', '.join(COST_FACTORS)}")
+            clean_f: dict[str, Any] = {}
+            for k, v in self.cost_factors.items():
+                if k == "compute" and isinstance(v, (list, tuple)):  # a curve: [[rows, factor], ...]
+                    try:
+                        pts = sorted((float(r), float(f)) for r, f in v)
+                    except (TypeError, ValueError):
+                        pts = []
+                    if not pts or any(r < 1 or not 0 < f < 100 for r, f in pts):
+                        raise ValueError("HardwareProfile.cost_factors['compute'] as a curve must be [rows, factor] "
+                                         f"pairs with rows >= 1 and factors in (0, 100); got {v!r}")
+                    clean_f[k] = [list(p) for p in pts]
+                    continue
+                if not (isinstance(v, (int, float)) and 0 < v < 100):
+                    raise ValueError(f"HardwareProfile.cost_factors[{k!r}] must be in (0, 100); got {v!r}")
+                clean_f[k] = float(v)
+            object.__setattr__(self, "cost_factors", clean_f)
         for f in ("flops_efficiency", "bandwidth_efficiency"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
@@ -296,6 +336,9 @@ class HardwareProfile:
         return dataclasses.replace(self, **changes)
 
 
+#: The cost model's groups a profile's `cost_factors` may scale (see `HardwareProfile.cost_factors`).
+COST_FACTORS = ("compute", "attention", "decode_attention", "fixed")
+
 #: What each kind of profile's predictions can be trusted for (printed with every simulated run's provenance).
 TRUST_TEXT = {
     "datasheet": ("datasheet figures with assumed efficiencies and overheads, never checked on the device: good for "
@@ -313,10 +356,10 @@ TRUST_TEXT = {
 #: development machine): per-workload median |per-step error| and signed wall-time error, percent. A calibrated
 #: CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error|.
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 1, 2026-12-01, 2-core development machine (README)",
-    "step_error_pct_p50": {"cpu-32": 19.7, "long-gen": 11.1, "shared-prefix": 41.9, "cpu-poisson": 6.4},
-    "wall_error_pct": {"cpu-32": -12.5, "long-gen": -13.8, "shared-prefix": 40.8, "cpu-poisson": -0.6},
-    "wall_error_pct_max": 40.8,
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03, 2-core development machine (README)",
+    "step_error_pct_p50": {"cpu-32": 9.8, "long-gen": 8.5, "shared-prefix": 8.2, "cpu-poisson": 9.9},
+    "wall_error_pct": {"cpu-32": -10.7, "long-gen": 2.1, "shared-prefix": -4.7, "cpu-poisson": -1.8},
+    "wall_error_pct_max": 10.7,
 }
 
 

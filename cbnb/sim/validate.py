@@ -11,11 +11,18 @@ The timed workload (cpu-poisson, arrival times): both engines are driven by the 
 (`cbnb.lab.tuning.run_workload`: the real one on the wall clock, the simulator on its virtual clock). Which requests
 share a step then depends on how long the steps took, so the plans are not compared ("timed" in the table); the
 per-step error is the cost model's prediction for each of the real engine's own steps (its plan from the
-StepPlanned record: query tokens, KV start, whether it samples) against that step's measured time, and the wall
-time is the run's duration (first arrival to last request end) on each engine.
+StepPlanned record: query tokens, KV start, whether it samples, prefix tokens another row read first) against that
+step's measured time, and the wall time is the run's duration (first arrival to last request end) on each engine.
 
-The profile comes from `cbnb.sim.calibrate()` only (run fresh unless ``--profile`` names a saved one); nothing is
-fitted to these runs.
+The profile comes from `cbnb.sim.calibrate()` only (run fresh unless ``--profile`` names a saved one; its cost
+factors are fitted to its own synthetic engine runs, `cbnb.sim._calibrate_torch._FIT_RUNS`, none of them a
+validation workload); nothing is fitted to these runs.
+
+Noise. ``--repeat N`` runs each workload N times on the real engine: an offline workload compares the per-step and
+wall medians (its plans are the same each time), a timed one its run of median wall time, and the ``spread`` column
+is (slowest - fastest) / median wall of those runs, the measurement's own noise. The ``speed`` column times the
+model's 8-token forward before and after each workload against the same probe right after the calibration (`+`:
+the machine was faster than when it was calibrated).
 
 ``--predict PROFILE`` prints the simulator's prediction for nanovllm-256 (shape qwen3-0.6b, bf16, all requests at
 0) on a datasheet profile, e.g. ``h200``, with no torch and no run to compare against (GPU fidelity unverified until
@@ -108,10 +115,11 @@ def _replay_costs(planned: dict[int, Any], steps: dict[int, float], prompt_len: 
     out = {}
     for s in steps:
         rows = []
-        for rid, phase, n, start, _hit in planned[s].taken:
+        e = planned[s]
+        for (rid, phase, n, start, _hit), shared in zip(e.taken, e.shared_tokens or [0] * len(e.taken)):
             # a prefill chunk samples when it reaches the end of the prompt (a resumed request's longer sequence
             # is approximated by its prompt: at most one sampled row off)
-            rows.append((start, n, phase == "decode" or start + n >= prompt_len.get(rid, 0)))
+            rows.append((start, n, phase == "decode" or start + n >= prompt_len.get(rid, 0), shared))
         out[s] = cost.step(StepLoad.of(rows)).total_s
     return out
 
@@ -169,8 +177,17 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: Any = None, scale: float = 1.0,
-                      seed: int = 0) -> dict[str, Any]:
-    """Run one workload on the real engine and on the simulator; return the comparison (errors as fractions)."""
+                      seed: int = 0, repeat: int = 1) -> dict[str, Any]:
+    """Run one workload on the real engine (`repeat` times) and on the simulator; return the comparison (errors as
+    fractions). With repeats, an offline workload's measured step and wall times are the medians over its runs (the
+    plans are the same every time); a timed one reports its run of median wall time. ``measured_walls_s`` lists every
+    run's wall time (their spread is the measurement's own noise).
+
+    Raises:
+        ValueError: `repeat` < 1.
+    """
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1; got {repeat!r}")
     import cbnb
     from cbnb.lab.workloads import get_workload
 
@@ -181,10 +198,19 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
     wl = get_workload(name, vocab_size=model.config.vocab_size, seed=seed, scale=scale)
     cfg = cbnb.ContinuousBatchingConfig(**wl.config_hints)
     if name in TIMED:
-        return _timed_workload(name, profile, model, tokenizer, wl, cfg)
+        rows = sorted((_timed_workload(name, profile, model, tokenizer, wl, cfg) for _ in range(repeat)),
+                      key=lambda r: r["measured_wall_s"])
+        row = rows[(len(rows) - 1) // 2]
+        row["measured_walls_s"] = [r["measured_wall_s"] for r in rows]
+        return row
     t0 = time.perf_counter()
-    measured, wall, real_plans, (real_cfg, phases, real_free) = _real_run(model, tokenizer, wl, cfg)
-    real_s = time.perf_counter() - t0
+    runs = [_real_run(model, tokenizer, wl, cfg) for _ in range(repeat)]
+    real_s = (time.perf_counter() - t0) / repeat
+    measured, wall, real_plans, (real_cfg, phases, real_free) = runs[0]
+    walls = [r[1] for r in runs]
+    if repeat > 1 and all(r[2] == real_plans for r in runs[1:]):
+        measured = {s: statistics.median(r[0][s] for r in runs) for s in measured if all(s in r[0] for r in runs)}
+        wall = statistics.median(walls)
     shape = load_shape(model.config, dtype=str(next(model.parameters()).dtype))
     # The real engine sized its cache from free RAM; the simulator takes that size (same decisions to compare), on
     # a profile with at least the memory the engine saw (RAM in use by others changes between calibration and now).
@@ -195,8 +221,10 @@ def validate_workload(name: str, profile: Any, *, model: Any = None, tokenizer: 
     common = sorted(set(measured) & set(predicted))
     sim_parts = {s.step_id: dict(s.cost.parts, host=s.cost.host_s, launch=s.cost.launch_s) for s in sim.steps}
     prefill_steps = {p[0] for p in real_plans if any(t[1] == "prefill" for t in p[1])}
-    return _row(name, measured, predicted, common, prefill_steps, real_plans == sim_plans, wall, pwall, real_s,
-                sim.wall_s, [(s, measured[s], predicted[s], phases.get(s), sim_parts.get(s)) for s in common])
+    row = _row(name, measured, predicted, common, prefill_steps, real_plans == sim_plans, wall, pwall, real_s,
+               sim.wall_s, [(s, measured[s], predicted[s], phases.get(s), sim_parts.get(s)) for s in common])
+    row["measured_walls_s"] = walls
+    return row
 
 
 def predict(workload: str = "nanovllm-256", profile: str = "h200", *, shape: str | None = None,
@@ -231,9 +259,26 @@ def predict(workload: str = "nanovllm-256", profile: str = "h200", *, shape: str
             "page_size": sim.config.page_size, "async_batching": sim.async_batching, "sim_host_s": sim.wall_s}
 
 
+def speed_probe(model: Any, reps: int = 9) -> float:
+    """This machine's speed now, as the engine feels it: forwards per second of `model` over 8 tokens (every weight
+    streamed once, about a decode step's work), the median of `reps` runs. Noisy neighbours move it by tens of % within
+    minutes; `main` prints it beside each workload, relative to its value right after the calibration."""
+    import torch
+
+    ids = torch.arange(10, 18).unsqueeze(0)
+    with torch.inference_mode():
+        model(ids)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model(ids)
+            ts.append(time.perf_counter() - t0)
+    return 1.0 / statistics.median(ts)
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'workload':<14} {'steps':>5} {'plans':>6} {'wall meas':>9} {'wall pred':>9} {'wall err':>8} "
-            f"{'step err p50':>12} {'p90':>6} {'prefill p50':>11} {'decode p50':>10} {'targets':>7}")
+            f"{'step err p50':>12} {'p90':>6} {'prefill p50':>11} {'decode p50':>10} {'targets':>7} {'speed':>6} {'spread':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         plans = "timed" if r["plans_identical"] is None else ("same" if r["plans_identical"] else "DIFF")
@@ -241,8 +286,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['measured_wall_s']:>8.2f}s {r['predicted_wall_s']:>8.2f}s {100 * r['signed_wall_error']:>+7.1f}% "
                      f"{100 * r['median_step_error']:>11.1f}% {100 * r['p90_step_error']:>5.0f}% "
                      f"{100 * r['median_prefill_step_error']:>10.1f}% {100 * r['median_decode_step_error']:>9.1f}% "
-                     f"{'yes' if r['within_targets'] else 'no':>7}")
+                     f"{'yes' if r['within_targets'] else 'no':>7} {_speed(r.get('machine_speed')):>6} {_spread(r.get('measured_walls_s')):>6}")
     return "\n".join(lines)
+
+
+def _speed(x: float | None) -> str:
+    return "" if x is None else f"{100 * (x - 1):+.0f}%"
+
+
+def _spread(walls: list[float] | None) -> str:
+    if not walls or len(walls) < 2:
+        return ""
+    return f"{100 * (max(walls) - min(walls)) / statistics.median(walls):.0f}%"
 
 
 def _prediction_text(p: dict[str, Any]) -> str:
@@ -262,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results (with per-step times) to this file")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for the engine and the calibration (default: torch's)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="real runs per workload; the medians are compared and their spread printed (default 1)")
     ap.add_argument("--predict", default=None, metavar="PROFILE",
                     help="only print the prediction for nanovllm-256 on PROFILE (e.g. h200): no real run, no torch")
     args = ap.parse_args(argv)
@@ -272,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [w for w in names if w not in WORKLOADS]
     if bad:
         ap.error(f"--workloads: unknown {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1; got {args.repeat}")
     import torch
 
     import cbnb
@@ -286,15 +345,23 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
     else:
         t = time.perf_counter()
-        profile = calibrate(MODEL, save=False, verbose=True)
+        profile = calibrate(MODEL, save=False, verbose=True, model=model)
         print(f"calibrated in {time.perf_counter() - t:.0f} s ({profile.notes})")
+    ref = speed_probe(model)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    rows = [validate_workload(w, profile, model=model, tokenizer=tok, scale=args.scale) for w in names]
+    rows = []
+    for w in names:
+        before = speed_probe(model)
+        rows.append(validate_workload(w, profile, model=model, tokenizer=tok, scale=args.scale, repeat=args.repeat))
+        rows[-1]["machine_speed"] = (before + speed_probe(model)) / 2 / ref
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(_table(rows))
     print(f"threads {torch.get_num_threads()}, load average {load0:.1f} before, {load1:.1f} after "
           f"({os.cpu_count()} CPUs)")
     print("targets: median |step error| <= 15 %, |wall error| <= 10 %")
+    print(f"speed: the model's 8-token forward ({1e3 / ref:.0f} ms after the calibration) timed before and after "
+          "each real run, faster (+) or slower (-) than after the calibration: a machine that changed speed moves "
+          "the errors with it; spread: (slowest - fastest) / median of a workload's real runs (--repeat)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile": profile.to_dict(), "results": rows, "load_average": [load0, load1],

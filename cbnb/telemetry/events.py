@@ -50,6 +50,8 @@ class StepPlanned(Event):
     compares like the list; `to_dict()` writes a list). `skipped_requests()` yields every (request_id, reason).
     `stalled`: (request_id, blocks needed per group, blocks obtainable per group).
     Budgets: tokens (`max_batch_tokens`), cache (tokens readable), request cap, and their use this step.
+    `shared_tokens`: per taken request (same order), its past tokens in blocks an earlier request of the step also
+    reads (a shared prefix: `cbnb.core.plan.StepWork.shared_tokens`); empty when nothing was shared or not measured.
     """
 
     kind: ClassVar[str] = "step_planned"
@@ -67,6 +69,7 @@ class StepPlanned(Event):
     requests_used: int = 0
     free_fraction: float = 1.0
     safety_margin: float = 0.0
+    shared_tokens: list[int] = field(default_factory=list)
 
     def skipped_requests(self) -> Iterator[tuple[str, str]]:
         """Every request not taken this step with its reason, as (request_id, reason), entry by entry."""

@@ -176,6 +176,7 @@ class Recorder:
                 [(st.request_id, list(st.blocks_needed), list(st.blocks_available)) for st in p.stalled],
                 p.token_budget, p.num_tokens, p.num_prefill_tokens, p.num_decode_tokens, p.cache_budget,
                 p.cache_read_tokens, p.request_cap, len(p.scheduled), p.free_fraction, p.safety_margin,
+                list(work.shared_tokens),
             ))
 
     def step_done(self, work: StepWork, result: StepResult, t0: float, t1: float, t2: float) -> None:

@@ -294,6 +294,27 @@ def test_prefix_hit_and_refcounts() -> None:
     cm.check_invariants([])
 
 
+def test_shared_reads_count_prefix_blocks_an_earlier_row_read() -> None:
+    from types import SimpleNamespace as Row
+
+    cm = CacheManager(full_layout(page=4), 12)
+    a = Request("a", list(range(2, 12)))  # 2 full blocks + 2 tokens
+    compute(cm, a, 10)
+    b = Request("b", list(range(2, 12)) + [40, 41])
+    cm.allocate(b, 12, cm.match_prefix(b))  # shares a's 2 full blocks
+    b.num_computed = 12
+    c = req("c", 9, start=100)  # its own blocks
+    compute(cm, c, 9)
+    rows = [Row(request=a, start=10), Row(request=b, start=12), Row(request=c, start=9)]
+    assert cm.shared_reads(rows) == [0, 8, 0]  # a reads the prefix first; b's 2 blocks are read again
+    assert cm.shared_reads(rows[1:]) == []  # alone in a step nothing is read twice
+    assert cm.shared_reads([Row(request=a, start=6), Row(request=b, start=12)]) == [0, 4]  # a's past: 1 block
+    assert cm.shared_reads([rows[2]]) == []
+    unshared = CacheManager(full_layout(page=4), 12, allow_block_sharing=False)
+    compute(unshared, a2 := req("a2", 9), 9)
+    assert unshared.shared_reads([Row(request=a2, start=9)]) == []
+
+
 def test_match_leaves_the_last_prompt_token() -> None:
     cm = CacheManager(full_layout(page=4), 10)
     a = Request("a", list(range(2, 10)))  # exactly 2 blocks

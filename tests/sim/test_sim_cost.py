@@ -190,3 +190,54 @@ def test_profile_validation_names_the_field():
         CPU.replace(flops_efficiency=1.5)
     with pytest.raises(ValueError, match="no peak FLOP/s for bfloat16"):
         CPU.peak("bfloat16")
+
+
+def test_decode_kernel_call_cost_and_thread_imbalance():
+    # TOY has 1 KV head: a lone decode row is one work item, so on 2 threads one thread does it all and the call
+    # takes 2x its bytes' time at the pooled rate: per layer 2 * (10*32 + 96) = 832 counted bytes. Plus the call.
+    prof = CPU.replace(decode_kernel_bandwidth=2e8, decode_kernel_call_s=3e-6, threads=2)
+    one = CostModel(TOY, prof, CFG).step(StepLoad.of([(9, 1, True)]))
+    assert one.parts["attention"] == pytest.approx(2 * (3e-6 + 2 * 416 / 2e8))
+    # Two equal rows spread over the 2 threads: no imbalance.
+    two = CostModel(TOY, prof, CFG).step(StepLoad.of([(9, 1, True), (9, 1, True)]))
+    assert two.parts["attention"] == pytest.approx(2 * (3e-6 + 832 / 2e8))
+    # Rows of 20 and 5 keys: LPT puts them on separate threads; the busiest holds 20*32 + 96 = 736 bytes.
+    uneven = CostModel(TOY, prof, CFG).step(StepLoad.of([(19, 1, True), (4, 1, True)]))
+    assert uneven.parts["attention"] == pytest.approx(2 * (3e-6 + 2 * 736 / 2e8))
+    # threads=None: not modelled (the pooled bytes).
+    flat = CostModel(TOY, prof.replace(threads=None), CFG).step(StepLoad.of([(9, 1, True)]))
+    assert flat.parts["attention"] == pytest.approx(2 * (3e-6 + 416 / 2e8))
+
+
+def test_decode_kernel_prices_a_shared_prefix_at_its_cache_hot_rate():
+    # Two rows of 10 keys; the second reads 8 of them from blocks the first read (4x the cold rate): it counts
+    # 10 - 8 + 8 / 4 = 4 keys, 4*32 + 96 = 224 bytes, beside the first row's 416.
+    prof = CPU.replace(decode_kernel_bandwidth=2e8, decode_kernel_call_s=3e-6, decode_kernel_shared_bandwidth=8e8)
+    load = StepLoad.of([(9, 1, True, 0), (9, 1, True, 8)])
+    shared = CostModel(TOY, prof, CFG).step(load)
+    assert shared.parts["attention"] == pytest.approx(2 * (3e-6 + 640 / 2e8))
+    # Without a measured shared rate the shared keys cost as the others.
+    cold = CostModel(TOY, prof.replace(decode_kernel_shared_bandwidth=None), CFG).step(load)
+    assert cold.parts["attention"] == pytest.approx(2 * (3e-6 + 832 / 2e8))
+    with pytest.raises(ValueError, match="decode_kernel_shared_bandwidth"):
+        CPU.replace(decode_kernel_shared_bandwidth=0.0)
+
+
+def test_cost_factors_scale_their_groups_and_groups_keep_the_unscaled_seconds():
+    prof = CPU.replace(decode_kernel_bandwidth=2e8)
+    load = StepLoad.of([(0, 4, True), (9, 1, True)])
+    plain = CostModel(TOY, prof, CFG).step(load)
+    f = {"compute": 2.0, "attention": 3.0, "decode_attention": 0.5, "fixed": 1.5}
+    c = CostModel(TOY, prof.replace(cost_factors=f), CFG).step(load)
+    assert c.groups == pytest.approx(plain.groups)
+    g = plain.groups
+    assert plain.total_s == pytest.approx(sum(g.values()))
+    assert c.total_s == pytest.approx(sum(f[k] * g[k] for k in f) + g["swap"])
+    assert c.parts["linear"] == pytest.approx(2 * plain.parts["linear"])
+    assert c.host_s == pytest.approx(1.5 * plain.host_s) and c.launch_s == pytest.approx(1.5 * plain.launch_s)
+    with pytest.raises(ValueError, match="cost_factors: unknown group"):
+        CPU.replace(cost_factors={"gemm": 1.0})
+    with pytest.raises(ValueError, match=r"cost_factors\['compute'\] must be in"):
+        CPU.replace(cost_factors={"compute": 0})
+    with pytest.raises(ValueError, match="HardwareProfile.threads"):
+        CPU.replace(threads=0)

@@ -16,6 +16,13 @@ def test_unknown_workload_is_an_argument_error():
     assert out.returncode == 2 and "unknown nope" in out.stderr and "long-gen" in out.stderr
 
 
+def test_repeat_must_be_at_least_one():
+    from cbnb.sim.validate import validate_workload
+
+    with pytest.raises(ValueError, match="repeat must be an integer >= 1"):
+        validate_workload("cpu-32", "cpu", repeat=0)
+
+
 @pytest.mark.slow
 def test_validate_workload_small_cpu32_has_identical_plans():
     pytest.importorskip("torch")
@@ -23,8 +30,10 @@ def test_validate_workload_small_cpu32_has_identical_plans():
 
     from test_sim_decisions import TEST_CPU
 
-    r = validate_workload("cpu-32", TEST_CPU, scale=0.1)
+    r = validate_workload("cpu-32", TEST_CPU, scale=0.1, repeat=2)
     assert r["plans_identical"]
+    walls = r["measured_walls_s"]
+    assert len(walls) == 2 and r["measured_wall_s"] == pytest.approx(sum(walls) / 2)  # the median of two
     assert r["steps"] == len(r["per_step"]) > 0
     assert r["measured_wall_s"] > 0 and r["predicted_wall_s"] > 0
     assert all(math.isfinite(r[k]) for k in ("wall_error", "median_step_error", "p90_step_error"))
@@ -74,11 +83,15 @@ def test_replay_costs_a_real_plan_step_by_step():
 
     cost = CostModel(load_shape("smollm2-135m", dtype="float32"), TEST_CPU)
     # step 1: a's first chunk (no sample: the prompt is 100 long) and b's last chunk; step 2: a decodes
-    planned = {1: SimpleNamespace(taken=[("a", "prefill", 64, 0, 0), ("b", "prefill", 36, 64, 0)]),
-               2: SimpleNamespace(taken=[("a", "decode", 1, 100, 0)])}
-    got = _replay_costs(planned, {1: 0.1, 2: 0.01}, {"a": 100, "b": 100}, cost)
+    # step 3: both decode, b reading 96 tokens of a prefix a read first
+    planned = {1: SimpleNamespace(taken=[("a", "prefill", 64, 0, 0), ("b", "prefill", 36, 64, 0)], shared_tokens=[]),
+               2: SimpleNamespace(taken=[("a", "decode", 1, 100, 0)], shared_tokens=[]),
+               3: SimpleNamespace(taken=[("a", "decode", 1, 101, 0), ("b", "decode", 1, 100, 0)],
+                                  shared_tokens=[0, 96])}
+    got = _replay_costs(planned, {1: 0.1, 2: 0.01, 3: 0.01}, {"a": 100, "b": 100}, cost)
     assert got[1] == cost.step(StepLoad.of([(0, 64, False), (64, 36, True)])).total_s
     assert got[2] == cost.step(StepLoad.of([(100, 1, True)])).total_s
+    assert got[3] == cost.step(StepLoad.of([(101, 1, True, 0), (100, 1, True, 96)])).total_s
 
 
 @pytest.mark.slow

@@ -442,6 +442,33 @@ class CacheManager:
             rows[rid] = RowKV(tables, slots, ring)
         return kv
 
+    def shared_reads(self, scheduled: list[Any]) -> list[int]:
+        """Per scheduled row (same order), its past tokens in complete blocks of the full-attention group that an
+        earlier row of the step reads too: a shared prefix, read from memory once per layer and then from the CPU's
+        caches (what `cbnb.sim.cost` prices apart). [] when nothing is shared. A row whose first block has one owner
+        shares nothing (a shared prefix leads the table), so the walk costs only the shared blocks."""
+        full, page = self.full, self.page_size
+        if not self.sharing or full is None:
+            return []
+        refcount, tables = full.refcount, full.tables
+        seen: set[int] = set()
+        out = [0] * len(scheduled)
+        for i, s in enumerate(scheduled):
+            table = tables.get(s.request.request_id) or ()
+            n_past = min(s.start // page, len(table))
+            if n_past == 0 or refcount[table[0]] < 2:
+                continue
+            again = 0
+            for b in table[:n_past]:
+                if refcount[b] < 2:
+                    break
+                if b in seen:
+                    again += 1
+                else:
+                    seen.add(b)
+            out[i] = again * page
+        return out if any(out) else []
+
     # ------------------------------------------------------------------------------------------ checks
     def check_invariants(self, requests: list[Request] | None = None) -> None:
         """Assert the bookkeeping is consistent (used by tests).
