@@ -8,15 +8,10 @@ import pytest
 pytest.importorskip("torch")
 
 from cbnb.core.config import ContinuousBatchingConfig  # noqa: E402
-from cbnb.sim import CostModel, HardwareProfile, ModelShape, StepLoad  # noqa: E402
+from cbnb.sim import CostModel, StepLoad  # noqa: E402
 from cbnb.sim import _calibrate_torch as impl  # noqa: E402
 
-TOY = ModelShape("toy", "llama", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
-                 head_dim=4, vocab_size=100, dtype="float32")
-CPU = HardwareProfile(name="toy-cpu", kind="cpu", runner="cpu", memory_bytes=1 << 30, peak_flops={"float32": 1e9},
-                      memory_bandwidth=1e9, host_device_bandwidth=1e8, step_overhead_s=1e-3,
-                      step_overhead_graph_s=5e-4, kernel_launch_s=1e-6, layer_overhead_s=1e-5, attention_call_s=2e-6,
-                      request_overhead_s=1e-4, elementwise_bandwidth=2e9)
+from test_sim_cost import CPU, TOY  # noqa: E402
 
 TRUE = {"compute": [[1, 1.2], [16, 1.5], [512, 1.3]], "attention": 0.8, "decode_attention": 2.0, "fixed": 1.2}
 

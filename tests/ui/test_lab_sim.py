@@ -74,7 +74,11 @@ def _step_mode(page, py) -> None:
     page.locator(".cbnb-controls .cbnb-pause").click()
     page.wait_for_selector('.cbnb-controls[data-paused="true"]', timeout=60_000)
     assert py("sim.paused") == "True"
-    step = _paused_step(page)
+    # The step in flight at the click finishes after it: wait until the status shows the step the engine holds at.
+    deadline = time.monotonic() + 60
+    while (step := _paused_step(page)) != int(py("sim.core.step_id")):
+        assert time.monotonic() < deadline, ("the status never caught up with the paused step", step)
+        time.sleep(0.25)
     held = py("(sim.now, sim.core.step_id)")
     page.wait_for_timeout(500)  # wall time passes, the simulated clock and the step count stay
     assert py("(sim.now, sim.core.step_id)") == held
