@@ -320,8 +320,17 @@ def test_submit_says_the_cap_and_why(s):
         return c && c.textContent.endsWith('/{cap} tokens'); }}""", timeout=30_000)
     s.shots("18-submit-cap", ".cbnb-submit")
     # The model may end its answer (EOS) first; a request still running is cancelled from its card.
-    if s.py(f"any(r.request_id == '{rid}' for r in engine.core.requests.values())") == "True":
-        page.locator(f".cbnb-stream-item[data-id='{rid}']:not(.cbnb-ended) .cbnb-cancel").click(timeout=10_000)
+    # (it may also end while the click waits: its card then hides the button, so retry while it is still running)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    deadline = time.monotonic() + 90
+    while s.py(f"any(r.request_id == '{rid}' for r in engine.core.requests.values())") == "True":
+        assert time.monotonic() < deadline, "the running request's Cancel button never became clickable"
+        try:
+            page.locator(f".cbnb-stream-item[data-id='{rid}']:not(.cbnb-ended) .cbnb-cancel").click(timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            continue
     wait_py(s, "not engine.core.requests", 30)
 
 
