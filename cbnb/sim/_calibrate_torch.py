@@ -32,8 +32,8 @@ METHODS = {
     "decode_kernel_shared_bandwidth": "the same kernel, 16 rows x 512 keys whose first 448 are one shared prefix: "
                                       "the rate over the prefix keys after the first row's",
     "cost_factors": "cbnb.Engine on a random-weight model of the shape (prefill chunks with and without a past, "
-                    "decode at 1, 4 and 12 rows), the cost model's groups scaled to its step times (least squares "
-                    "on relative error)",
+                    "decode at 1, 4, 12 and 32 rows; each run twice, a step's fastest time kept), the cost model's "
+                    "groups scaled to its step times (least squares on relative error)",
     "kernel_launch_s": "one small tensor op (dispatch)",
     "step_overhead_s": "cbnb.Engine on tiny random models of the shape's architecture, least-squares fit over 2/8 "
                        "layers and 1/8/16 decode rows: the intercept (schedule, packing, sampling, update, telemetry)",
@@ -265,8 +265,7 @@ def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...,
     t_shared = per_call(*big, shared=prefix)
     hot = (big[0] - 1) * prefix * 2 * Hkv * d * 4
     rest = t_shared - call - (b_big - hot) / bw
-    hot_bw = hot / rest if rest > hot / (16 * bw) else 16 * bw  # never below the cold rate, at most 16x it
-    hot_bw = max(hot_bw, bw)
+    hot_bw = min(16 * bw, max(bw, hot / rest)) if rest > 0 else 16 * bw  # within 1-16x the cold rate
     log(f"decode kernel {bw / 1e9:.1f} GB/s (counted bytes, cold), {call * 1e6:.1f} us per call, "
         f"{hot_bw / 1e9:.1f} GB/s over a prefix another row read")
     return {"bandwidth": bw, "call_s": call, "shared_bandwidth": hot_bw}

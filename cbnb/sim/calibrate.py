@@ -16,8 +16,8 @@ What is measured (medians of repeated timings; nothing here looks at the validat
    decode rows: the per-step overhead, per decoder layer, per attention call and per request, by least squares;
 6. **per-kernel dispatch**: one small tensor op;
 7. **end-to-end factors** (`HardwareProfile.cost_factors`): `cbnb.Engine` serving a random-weight model of the shape
-   (three short runs: a lone 480-token prompt, 4 short prompts, 12 mid-sized ones in chunks with a past; none is a
-   validation workload), and the cost model's groups (compute, prefill attention, decode attention, fixed costs)
+   (four short runs, each twice with a step's fastest time kept: a lone 480-token prompt, 4 short prompts, 12
+   mid-sized ones in chunks with a past, 32 short ones; none is a validation workload), and the cost model's groups (compute, prefill attention, decode attention, fixed costs)
    scaled to its measured step times by least squares on relative error. The microbenchmarks time each operator
    alone; in a forward, operators share the caches and the cores with their neighbours, which they do not see
    (measured 2026-12-03: steps ~1.3-1.5x the microbenchmarks' sum on this 2-core machine).
@@ -68,8 +68,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
             number of cores before measuring, or after it above the cores plus our own threads): "warn" (default: a
             RuntimeWarning, and the profile is marked: ``provenance["details"]["busy"]`` and its notes),
             "refuse" (RuntimeError before measuring anything), "ignore".
-        fit: also measure `HardwareProfile.cost_factors` end to end (step 7 of the module docstring; about 15 s
-            for smollm2-135m); default: unless `quick`. Needs torch and transformers.
+        fit: also measure `HardwareProfile.cost_factors` end to end (step 7 of the module docstring; about 25-40 s
+            for smollm2-135m on a 2-core machine); default: unless `quick`. Needs torch and transformers.
         model: a loaded model of the shape to run the end-to-end runs on (its weights do not matter); default: a
             random-weight one built from the shape (at most 1 GiB of weights: fewer layers for a larger shape).
 

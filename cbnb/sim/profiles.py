@@ -88,7 +88,7 @@ class HardwareProfile:
             page gather).
         decode_kernel_call_s: fixed seconds of one call of that kernel (one per layer) beyond its bytes.
         decode_kernel_shared_bandwidth: the same kernel's rate over keys in blocks an earlier row of the step read
-            already (a shared prefix, then in the CPU's caches: `cbnb.core.plan.RowKV.shared_tokens`); None: as
+            already (a shared prefix, then in the CPU's caches: `cbnb.core.plan.StepWork.shared_tokens`); None: as
             `decode_kernel_bandwidth`.
         threads: CPU threads the figures were measured with; the decode kernel's thread imbalance (few rows: fewer
             (row, KV head) items than threads can share evenly) is modelled with it. None: not modelled.

@@ -278,7 +278,8 @@ def speed_probe(model: Any, reps: int = 9) -> float:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'workload':<14} {'steps':>5} {'plans':>6} {'wall meas':>9} {'wall pred':>9} {'wall err':>8} "
-            f"{'step err p50':>12} {'p90':>6} {'prefill p50':>11} {'decode p50':>10} {'targets':>7} {'speed':>6} {'spread':>6}")
+            f"{'step err p50':>12} {'p90':>6} {'prefill p50':>11} {'decode p50':>10} {'targets':>7} {'speed':>6} "
+            f"{'spread':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         plans = "timed" if r["plans_identical"] is None else ("same" if r["plans_identical"] else "DIFF")
@@ -286,7 +287,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['measured_wall_s']:>8.2f}s {r['predicted_wall_s']:>8.2f}s {100 * r['signed_wall_error']:>+7.1f}% "
                      f"{100 * r['median_step_error']:>11.1f}% {100 * r['p90_step_error']:>5.0f}% "
                      f"{100 * r['median_prefill_step_error']:>10.1f}% {100 * r['median_decode_step_error']:>9.1f}% "
-                     f"{'yes' if r['within_targets'] else 'no':>7} {_speed(r.get('machine_speed')):>6} {_spread(r.get('measured_walls_s')):>6}")
+                     f"{'yes' if r['within_targets'] else 'no':>7} {_speed(r.get('machine_speed')):>6} "
+                     f"{_spread(r.get('measured_walls_s')):>6}")
     return "\n".join(lines)
 
 
