@@ -301,7 +301,8 @@ JSON_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "item
 
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     """A cbnb run with one named option: "telemetry=off|on", "dashboard=off|on", "use_cuda_graph=...",
-    "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on", "sampled=off|on" (every
+    "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on" (the decode kernel and the oneDNN
+    linears), "onednn_linear=off|on" (the linears alone, `cbnb.runner.cpu_linear`), "sampled=off|on" (every
     request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run),
     "json_schema=off|on" (every request constrained by `JSON_SCHEMA`; ``extra["grammar"]``: the mask's host time,
     `cbnb.runner.grammar.Stats`, and ``mask_ms_per_step``, what the steps waited for masks)."""
@@ -328,8 +329,9 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
         config = config.copy(**{key: on})
     elif key == "default_compile_level":
         config = config.copy(default_compile_level=int(val))
-    elif key == "cpu_kernels":  # the compiled CPU decode-attention kernel (cbnb.runner.cpu_kernels)
-        r = _with_env("CBNB_CPU_KERNELS", "1" if on else "0",
+    elif key in ("cpu_kernels", "onednn_linear"):  # cbnb.runner.cpu_kernels / cbnb.runner.cpu_linear
+        env = "CBNB_CPU_KERNELS" if key == "cpu_kernels" else "CBNB_ONEDNN_LINEAR"
+        r = _with_env(env, "1" if on else "0",
                       lambda: run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]"))
         r.extra["variant"] = variant
         return r

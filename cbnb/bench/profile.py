@@ -23,9 +23,10 @@ _ELEMENTWISE = {"mul", "add", "silu", "pow", "mean", "rsqrt", "neg", "cat", "sum
 
 
 def category(op: str) -> str:
-    """The category of an ATen op name (e.g. "aten::mm" -> "gemm")."""
+    """The category of an ATen op name (e.g. "aten::mm" -> "gemm"; the CPU runner's linears are
+    "mkldnn::_linear_pointwise", `cbnb.runner.cpu_linear`)."""
     name = op.split("::")[-1]
-    if name in ("mm", "addmm", "bmm", "baddbmm"):
+    if name in ("mm", "addmm", "bmm", "baddbmm", "_linear_pointwise"):
         return "gemm"
     if "attention" in name:
         return "attention (sdpa)"

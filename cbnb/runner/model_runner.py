@@ -3,13 +3,15 @@
 A step: copy offloaded blocks (device -> host), restore swapped-in blocks (host -> device), pack the batch
 (`build_step_batch`), one model forward with ``logits_to_keep`` = the rows that sample (so the LM head only sees
 those rows), then sampling. The model's attention implementation is switched to "cbnb_paged" while the runner is
-active and restored by `deactivate()`. With a compile config (`default_compile_level`, `varlen_compile_config`,
+active and restored by `deactivate()`; on CPU its linears then run through oneDNN in the runner's eager forwards
+(`cbnb.runner.cpu_linear`). With a compile config (`default_compile_level`, `varlen_compile_config`,
 `decode_compile_config`), the forward runs under `torch.compile` (`cbnb.runner.compiled`): pure-decode steps with
 the decode config, the others with the varlen config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -19,6 +21,7 @@ import torch
 
 from ..core.cache.manager import CacheManager
 from ..core.plan import StepResult, StepWork
+from . import cpu_linear
 from .attention import ATTN_NAME, register
 from .batch import build_step_batch
 from .compiled import compiled_forward, resolve_compile_configs
@@ -64,6 +67,7 @@ class ModelRunner:
         self.supports_logits_to_keep = bool(getattr(model, "_supports_logits_to_keep", lambda: True)())
         self.configured = False  # the engine calls configure() before the first step
         self._compiled: tuple = (None, None)  # (varlen, decode) CompiledForward or None (eager)
+        self._onednn: bool | None = None  # eager CPU forwards through oneDNN linears (decided at the first one)
 
     def configure(self, config) -> None:
         """Resolve the compile configs of `config` (a `ContinuousBatchingConfig`); None of them: eager."""
@@ -109,7 +113,9 @@ class ModelRunner:
                 if entry[0] <= 0:
                     del _ACTIVE[self.model]
                     self.model.set_attn_implementation(entry[1])
+                    cpu_linear.unroute(self.model)
             self._previous_impl = None
+            self._onednn = None
 
     @property
     def active(self) -> bool:
@@ -151,8 +157,9 @@ class ModelRunner:
         else:
             kwargs = {} if keep is None else {"logits_to_keep": keep}
             # A prepared (4-D) mask makes transformers skip mask creation; cbnb_paged attention ignores it.
-            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                             attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
+            with self._linears():
+                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                 attention_mask=_NO_MASK, cbnb_batch=batch, **kwargs)
             logits = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
@@ -165,6 +172,13 @@ class ModelRunner:
         t4 = time.perf_counter()
         timings.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3)
         return StepResult(tokens, timings, copied, logprobs=logprobs, invalid=invalid, prompt_logprobs=prompt_lps)
+
+    def _linears(self) -> Any:
+        """The eager CPU forward's linears through oneDNN (`cbnb.runner.cpu_linear`; off with the CPU fast path)."""
+        if self._onednn is None:
+            with _ACTIVE_LOCK:
+                self._onednn = self.device.type == "cpu" and cpu_linear.route(self.model) > 0
+        return cpu_linear.onednn() if self._onednn else contextlib.nullcontext()
 
 
 def _prompt_logprob_rows(entries: list, batch: Any) -> tuple[list[int], list[tuple[str, int, int, int]]]:

@@ -356,10 +356,11 @@ TRUST_TEXT = {
 #: development machine): per-workload median |per-step error| and signed wall-time error, percent. A calibrated
 #: CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error|.
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03, 2-core development machine (README)",
-    "step_error_pct_p50": {"cpu-32": 9.8, "long-gen": 8.5, "shared-prefix": 8.2, "cpu-poisson": 9.9},
-    "wall_error_pct": {"cpu-32": -10.7, "long-gen": 2.1, "shared-prefix": -4.7, "cpu-poisson": -1.8},
-    "wall_error_pct_max": 10.7,
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03 16:36 (oneDNN linears), 2-core "
+              "development machine (README)",
+    "step_error_pct_p50": {"cpu-32": 18.1, "long-gen": 12.2, "shared-prefix": 18.0, "cpu-poisson": 13.5},
+    "wall_error_pct": {"cpu-32": -16.6, "long-gen": -9.5, "shared-prefix": -14.2, "cpu-poisson": -1.9},
+    "wall_error_pct_max": 16.6,
 }
 
 

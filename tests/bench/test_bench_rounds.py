@@ -203,6 +203,15 @@ def test_gemm_probe_counts_the_model_shapes():
     assert body["flops"] == 2 * 7 * cost.body_params
     assert full["flops"] == 2 * 7 * (cost.body_params + cost.head[0] * cost.head[1])
     assert body["flops_per_s"] == pytest.approx(body["flops"] / body["seconds"])
+    from cbnb.runner import cpu_linear
+
+    # the floor takes the faster of F.linear and the runner's own oneDNN linear
+    assert body["impl"] in (("F.linear", "oneDNN") if cpu_linear.available() else ("F.linear",))
+
+
+def test_gemm_probe_times_only_f_linear_with_the_fast_path_off(monkeypatch):
+    monkeypatch.setenv("CBNB_ONEDNN_LINEAR", "0")
+    assert roofline.gemm_rate(tiny_model("tiny:llama"), rows=3, include_head=True, reps=1)["impl"] == "F.linear"
 
 
 # ----------------------------------------------------------------------------------------------- end to end
@@ -246,11 +255,12 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
 def test_profile_categories_and_a_tiny_run(capsys):
     from cbnb.bench import profile
 
-    assert profile.category("aten::mm") == "gemm"
+    assert profile.category("aten::mm") == profile.category("mkldnn::_linear_pointwise") == "gemm"
     assert profile.category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (sdpa)"
     assert profile.category("aten::index_copy_") == "kv write/gather"
     assert profile.category("aten::silu") == "elementwise"
     assert profile.category("aten::argmax") == "other ops"
     assert profile.main(["--model", "tiny:llama", "--scale", "0.1", "--threads", "1", "--rows", "5"]) == 0
     out = capsys.readouterr().out
-    assert "prefill step:" in out and "decode step:" in out and "gemm" in out and "aten::mm" in out
+    assert "prefill step:" in out and "decode step:" in out and "gemm" in out
+    assert "aten::mm" in out or "mkldnn::_linear_pointwise" in out

