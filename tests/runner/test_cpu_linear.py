@@ -44,9 +44,10 @@ def test_routed_linear_takes_onednn_only_inside_the_block_and_matches_f_linear(m
         t.start()
         t.join()
         empty = lin(torch.zeros(0, 64))  # no rows: F.linear
-    assert calls == [(2, 5, 64)]
+    assert calls == [(2, 5, 64)]  # one oneDNN call: this thread's; the other thread and the empty input took F.linear
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(seen[0], want, rtol=0, atol=0)
+    # F.linear in another thread may block its sums differently (its own thread count): close, not bitwise
+    torch.testing.assert_close(seen[0], want, rtol=1e-5, atol=1e-5)
     assert empty.shape == (0, 96)
     cpu_linear.unroute(model)
     assert _routed(model) == 0 and "forward" not in lin.__dict__
