@@ -402,7 +402,10 @@ def test_engine_stop_stops_the_server_and_its_streams():
     server = serve(engine, port=0)
     try:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
-            with c.stream("POST", "/completions", json={"prompt": "hi", "max_tokens": 900, "stream": True}) as r:
+            # greedy, EOS ignored: the request cannot end by itself before the stop (sampled at the default
+            # temperature, it could draw EOS first: the likely cause of one CI failure, no cancel event in the stream)
+            body = {"prompt": "hi", "max_tokens": 900, "stream": True, "temperature": 0, "ignore_eos": True}
+            with c.stream("POST", "/completions", json=body) as r:
                 lines = r.iter_lines()
                 _first_chunk_id(lines)
                 engine.stop()
