@@ -221,7 +221,7 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: f
     with torch.inference_mode():
         r = 0
         # pass 0 of each implementation warms up (allocator, weight pages)
-        while r < (reps + 1) * len(names) or time.perf_counter() - start < min_s:
+        while r <= (reps + 1) * len(names) - 1 or time.perf_counter() - start < min_s:
             name = names[r % len(names)]
             linear = impls[name]
             _sync(w0.device)

@@ -40,14 +40,9 @@ _ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _
              ctypes.c_float, _PTR, _I64, _I64, _I64, ctypes.c_int]
 
 
-def switched_on(name: str) -> bool:
-    """Whether the environment switch `name` is on: unset or anything but 0 / false / off / no."""
-    return os.environ.get(name, "1") not in ("0", "false", "off", "no")
-
-
 def enabled() -> bool:
     """False when ``CBNB_CPU_KERNELS=0`` (read at every call, so tests can switch it per engine)."""
-    return switched_on("CBNB_CPU_KERNELS")
+    return os.environ.get("CBNB_CPU_KERNELS", "1") not in ("0", "false", "off", "no")
 
 
 def _cpu_flags() -> str:

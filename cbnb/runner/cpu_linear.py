@@ -18,6 +18,7 @@ differs from ``F.linear`` beyond float32 rounding; the runner then keeps ``F.lin
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import types
 from typing import Callable, Iterator
@@ -25,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import enabled, switched_on
+from .cpu_kernels import enabled
 
 __all__ = ["available", "wanted", "onednn", "route", "unroute", "runner_linear"]
 
@@ -35,13 +36,13 @@ _lock = threading.Lock()
 _MARK = "_cbnb_linear"
 
 
-# resolved once: the routed forward runs for every linear of every step
-_OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+def _op():
+    return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
 def wanted() -> bool:
     """The CPU fast path is on and ``CBNB_ONEDNN_LINEAR`` is not 0 (read at every call, like `enabled`)."""
-    return enabled() and switched_on("CBNB_ONEDNN_LINEAR")
+    return enabled() and os.environ.get("CBNB_ONEDNN_LINEAR", "1") not in ("0", "false", "off", "no")
 
 
 def available() -> bool:
@@ -50,7 +51,7 @@ def available() -> bool:
     with _lock:
         if _checked is None:
             _checked = False
-            op = _OP
+            op = _op()
             if op is not None and torch.backends.mkldnn.is_available():
                 try:
                     g = torch.Generator().manual_seed(0)
@@ -75,15 +76,16 @@ def onednn() -> Iterator[None]:
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if getattr(_local, "depth", 0) and x.numel() and x.dtype == torch.float32 and not x.requires_grad:
-        return _OP(x, self.weight, self.bias, "none", [], "")
+        return _op()(x, self.weight, self.bias, "none", [], "")
     return F.linear(x, self.weight, self.bias)
 
 
 def runner_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``linear(x, weight)`` as the CPU runner computes it for weights of `dtype` (the oneDNN op for float32 with
     the fast path on, else ``F.linear``): what `cbnb.sim.calibrate` times, so the profile prices the engine's GEMMs."""
+    op = _op()
     if dtype == torch.float32 and wanted() and available():
-        return lambda x, w: _OP(x, w, None, "none", [], "")
+        return lambda x, w: op(x, w, None, "none", [], "")
     return F.linear
 
 
