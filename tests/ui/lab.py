@@ -79,6 +79,7 @@ class Lab:
         """SIGTERM to the server's PID (it shuts its kernels down), then any child it left, by PID."""
         if self.proc is None:
             return
+        self._close_client()
         try:
             import psutil
 
@@ -108,30 +109,44 @@ class Lab:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ kernel side channel
-    def kernel_eval(self, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
-        """Evaluate expressions silently in the (only) notebook kernel; returns their text/plain reprs."""
+    def _client(self):
+        """One shell-only client per notebook kernel, kept for the Lab's life. A client per call leaked: each new
+        zmq context and heartbeat thread made the test process's descriptors spike to ~2,000 and a heartbeat
+        thread died of "Too many open files" (seen in CI, then in 1 of ~70 calls of a plain loop)."""
         import jupyter_client
 
-        sess = json.load(urllib.request.urlopen(f"{self.url}/api/sessions?token={TOKEN}"))
-        cf = self.tmp / "rt" / f"kernel-{sess[0]['kernel']['id']}.json"
-        kc = jupyter_client.BlockingKernelClient(connection_file=str(cf))
+        with urllib.request.urlopen(f"{self.url}/api/sessions?token={TOKEN}") as r:
+            kid = json.load(r)[0]["kernel"]["id"]
+        kc = getattr(self, "_kc", None)
+        if kc is not None and getattr(self, "_kc_id", None) == kid:
+            return kc
+        self._close_client()
+        kc = jupyter_client.BlockingKernelClient(connection_file=str(self.tmp / "rt" / f"kernel-{kid}.json"))
         kc.load_connection_file()
-        kc.start_channels()
-        try:
-            mid = kc.execute("", silent=True, store_history=False, user_expressions=exprs)
-            deadline = time.monotonic() + timeout
-            while True:
-                rep = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
-                if rep["parent_header"].get("msg_id") == mid:
-                    break
-            out = {}
-            for k, v in rep["content"]["user_expressions"].items():
-                if v.get("status") != "ok":
-                    raise RuntimeError(f"{k}: {v.get('ename')}: {v.get('evalue')}")
-                out[k] = v["data"]["text/plain"]
-            return out
-        finally:
+        kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        self._kc, self._kc_id = kc, kid
+        return kc
+
+    def _close_client(self) -> None:
+        kc, self._kc = getattr(self, "_kc", None), None
+        if kc is not None:
             kc.stop_channels()
+
+    def kernel_eval(self, exprs: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
+        """Evaluate expressions silently in the (only) notebook kernel; returns their text/plain reprs."""
+        kc = self._client()
+        mid = kc.execute("", silent=True, store_history=False, user_expressions=exprs)
+        deadline = time.monotonic() + timeout
+        while True:  # replies to earlier calls that timed out are skipped here
+            rep = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if rep["parent_header"].get("msg_id") == mid:
+                break
+        out = {}
+        for k, v in rep["content"]["user_expressions"].items():
+            if v.get("status") != "ok":
+                raise RuntimeError(f"{k}: {v.get('ename')}: {v.get('evalue')}")
+            out[k] = v["data"]["text/plain"]
+        return out
 
 
 def skip_reason() -> str | None:

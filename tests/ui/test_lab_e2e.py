@@ -65,6 +65,20 @@ def test_panels_render(session):
     assert missing("01_quickstart.ipynb", outputs_text(page)) == []
 
 
+def test_kernel_side_channel_keeps_descriptors_and_threads_flat(session):
+    """The tests poll the kernel hundreds of times; a client per call once ran the test process out of file
+    descriptors mid-suite (a heartbeat thread's "Too many open files", then a kernel that never answered)."""
+    import os
+    import threading
+
+    session.py("1")
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for i in range(100):
+        assert session.py(f"{i} * 2") == str(2 * i)
+    assert len(os.listdir("/proc/self/fd")) <= fds + 5
+    assert threading.active_count() <= threads + 1
+
+
 def test_typed_prompt_streams(session):
     page = session.page
     prompt = page.locator(".cbnb-submit .cbnb-prompt")
