@@ -26,6 +26,11 @@ METHODS = {
                          "flushed before each run: the bytes the cost model counts for them per second",
     "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
                         "bytes the cost model counts per second",
+    "past_attention_flops": "the CPU runner's prefill path over a past (page gather + masked attention, "
+                            "cbnb.runner.attention), chunks of 16 and 64 query rows over 128 and 512 past keys: "
+                            "least-squares fit of call + keys x per-key seconds + FLOPs / rate; the rate",
+    "past_attention_key_s": "same fit: seconds per key of the chunk's K/V (its page gather and mask)",
+    "past_attention_call_s": "same fit: the fixed seconds of one such call",
     "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu_kernels, float32), "
                                "cold (each layer's own pages, weights streamed between calls), 16 rows x 512 keys "
                                "and 1 row x 64 keys in pages of 16: the bytes the cost model counts per s",
@@ -63,6 +68,7 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
         out["attention"] = _attention(s, dt, quick, reps, log)
         out["elementwise"] = _elementwise(s, dt, quick, reps, out["op_s"], log)
         out["gather"] = _gathered_decode(s, dt, reps, log)
+        out["past_attention"] = _past_attention(s, dt, reps, log)
         out["decode_kernel"] = _kernel_decode(s, dt, reps, log)
         out.update(_fixed_costs(s, quick, log))
         return out
@@ -298,6 +304,49 @@ def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..
     rate = gathered_decode_bytes(s, [keys] * rows, page) / t
     log(f"gathered decode attention {rate / 1e9:.1f} GB/s (counted bytes)")
     return rate
+
+
+# (query rows, past keys) of the prefill-over-a-past microbenchmark: the time of such a call grows with its keys
+# (the page gather and the mask) as well as with its FLOPs, so a rate by query rows alone (the causal chunks) priced
+# a 40-row chunk over 512 past keys 1.5x too high (2026-12-03: 1.12 ms measured, 1.70 ms predicted).
+_PAST_POINTS = ((16, 128), (64, 128), (16, 512), (64, 512))
+
+
+def _past_attention(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float]:
+    """The CPU runner's prefill attention for a chunk with a past ("paged" rows of `cbnb.runner.batch`: its pages
+    gathered, then masked attention): ``t = call + keys * key_s + flops / rate`` fitted by least squares over
+    `_PAST_POINTS` (keys = past + chunk, flops = 4 H d n keys, the masked rectangle); returns {"flops", "key_s",
+    "call_s"} (each clamped non-negative, the rate at most 16x the fastest measured)."""
+    import numpy as np
+
+    from ..runner.attention import _gather_pages, _sdpa
+
+    H, Hkv, d, page = s.num_heads, s.num_kv_heads, s.head_dim, 16
+    rows, ys = [], []
+    for n, past in _PAST_POINTS:
+        keys = past + n
+        width = -(-keys // page)
+        k_pages = torch.randn(width + 2, page, Hkv, d, dtype=dt)
+        v_pages = torch.randn(width + 2, page, Hkv, d, dtype=dt)
+        table = torch.randperm(width + 2)[:width].unsqueeze(0)
+        q = torch.randn(n, H, d, dtype=dt).transpose(0, 1).unsqueeze(0)
+        mask = torch.ones(n, keys, dtype=torch.bool).tril(past)[None, None]
+
+        def run() -> None:
+            ks = _gather_pages(k_pages, table, keys)[0].transpose(0, 1).unsqueeze(0)
+            vs = _gather_pages(v_pages, table, keys)[0].transpose(0, 1).unsqueeze(0)
+            _sdpa(q, ks, vs, mask, True, None)
+
+        rows.append([1.0, float(keys), 4.0 * H * d * n * keys])
+        ys.append(_median_time(run, reps))
+    a, y = np.array(rows), np.array(ys)
+    coef = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]  # relative error
+    call, key_s, inv = (max(0.0, float(c)) for c in coef)
+    best = max(f / t for (_, _, f), t in zip(rows, ys))
+    rate = min(1.0 / inv, 16 * best) if inv > 0 else 16 * best
+    log(f"prefill over a past {rate / 1e9:.1f} GFLOP/s, {key_s * 1e9:.0f} ns per key, {call * 1e6:.0f} us per call "
+        f"(from {', '.join(f'{n}x{p}: {t * 1e6:.0f} us' for (n, p), t in zip(_PAST_POINTS, ys))})")
+    return {"flops": rate, "key_s": key_s, "call_s": call}
 
 
 def _tiny_model(s: ModelShape, layers: int) -> Any:

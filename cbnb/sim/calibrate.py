@@ -8,7 +8,9 @@ What is measured (medians of repeated timings; nothing here looks at the validat
    layers' weights as fit in 512 MiB so that weights stream from memory as in a forward, minus one dispatch per call;
 3. **attention FLOP/s by query rows**: `scaled_dot_product_attention` at the shape's heads, causal chunks of 16 .. 512
    rows and single decode rows over 512 keys, minus one call's dispatch; and the CPU runner's batched decode path
-   (its page gather and masked attention) as a bandwidth over the bytes the cost model counts for it;
+   (its page gather and masked attention) as a bandwidth over the bytes the cost model counts for it; and its
+   prefill path over a past (page gather + masked attention) at 16 and 64 query rows over 128 and 512 past keys:
+   per call, per key and a FLOP rate, by least squares;
 4. **elementwise rate by rows**: one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1 .. 512 rows,
    the L2 cache flushed before each run as a layer's weights flush it in a forward;
 5. **fixed costs**: `cbnb.Engine` (its runner, paged attention, sampler, core and telemetry) serving two tiny random
@@ -115,6 +117,9 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
         attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
         gather_bandwidth=figures.get("gather"),
+        past_attention_flops=(figures.get("past_attention") or {}).get("flops"),
+        past_attention_key_s=(figures.get("past_attention") or {}).get("key_s", 0.0),
+        past_attention_call_s=(figures.get("past_attention") or {}).get("call_s", 0.0),
         decode_kernel_bandwidth=(figures.get("decode_kernel") or {}).get("bandwidth"),
         decode_kernel_call_s=(figures.get("decode_kernel") or {}).get("call_s", 0.0),
         decode_kernel_shared_bandwidth=(figures.get("decode_kernel") or {}).get("shared_bandwidth"),

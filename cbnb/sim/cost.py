@@ -38,7 +38,9 @@ Operator groups, per decoder layer:
   the request's real KV, ``min(s + n, w) * 2 Hkv d a`` (paged: no whole-cache mask), plus Q/O ``2 n H d a`` and the
   KV write ``n 2 Hkv d a``; the CPU runner also copies gathered pages (read + write), and its batched decode call
   (the decode rows whose keys span several pages, padded to the widest) runs at the measured `gather_bandwidth`
-  when the profile has one. Calls: CPU runner, one per prefill chunk, one per decode row whose keys fit one page, one
+  when the profile has one, and a chunk with a past, when the profile measured that path (`calibrate`), costs
+  ``past_attention_call_s + keys * past_attention_key_s + FLOPs / past_attention_flops`` (its page gather and
+  mask grow with the keys, not only with the FLOPs). Calls: CPU runner, one per prefill chunk, one per decode row whose keys fit one page, one
   batched call for the other decode rows; CUDA runner, a KV-store kernel, a prefill kernel and a decode + reduce
   kernel pair per layer.
 - **elementwise** (RMSNorms, RoPE, residual adds, activation): bytes ``a T ((7 norms + 6) h + (11 + 7 qk_norm)(H +
@@ -334,6 +336,9 @@ class CostModel:
                 calls += 1
             flops += f
             nbytes += row_bytes
+            if cpu and r.start > 0 and p.past_attention_flops:  # measured as call + per key + FLOPs
+                t += p.past_attention_call_s + kv * p.past_attention_key_s + f / p.past_attention_flops
+                continue
             t += self._roofline(f, row_bytes, p.attention_rate(self.dtype, r.tokens))
         t_dec = 0.0  # decode rows (the compiled kernel, or the per-row / batched torch paths)
         if dec_flops or dec_bytes:

@@ -81,6 +81,11 @@ class HardwareProfile:
             rate falls once a step's activations outgrow the L2 cache); used instead of `elementwise_bandwidth`.
         gather_bandwidth: effective rate (bytes the cost model counts per second) of the CPU runner's batched decode
             attention, which gathers the pages of decode rows whose keys span several pages; None: the roofline.
+        past_attention_flops: the CPU runner's prefill attention over a past (page gather + masked attention) priced
+            as ``past_attention_call_s + keys * past_attention_key_s + FLOPs / past_attention_flops`` per call;
+            None: as other prefill chunks (the roofline at `attention_flops`).
+        past_attention_key_s: seconds per key (past + chunk) of such a call.
+        past_attention_call_s: fixed seconds of such a call.
         decode_kernel_bandwidth: effective rate (bytes the cost model counts per second: each decode row's K/V, query,
             output and new K/V, `cbnb.sim.cost.decode_kernel_bytes`) of the CPU runner's compiled paged-decode kernel
             (`cbnb.runner.cpu_kernels`, float32 only), which computes every decode row of a layer in one call reading
@@ -131,6 +136,9 @@ class HardwareProfile:
     elementwise_bandwidth: float | None = None
     elementwise_curve: Mapping[str, list] | None = None
     gather_bandwidth: float | None = None
+    past_attention_flops: float | None = None
+    past_attention_key_s: float = 0.0
+    past_attention_call_s: float = 0.0
     decode_kernel_bandwidth: float | None = None
     decode_kernel_call_s: float = 0.0
     decode_kernel_shared_bandwidth: float | None = None
@@ -184,6 +192,10 @@ class HardwareProfile:
                                                                  "decode_kernel_bandwidth",
                                                                  "decode_kernel_shared_bandwidth"))
         _positive("decode_kernel_call_s", self.decode_kernel_call_s, zero_ok=True)
+        if self.past_attention_flops is not None:
+            _positive("past_attention_flops", self.past_attention_flops)
+        for f in ("past_attention_key_s", "past_attention_call_s"):
+            _positive(f, getattr(self, f), zero_ok=True)
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
             raise ValueError(f"HardwareProfile.threads must be an integer >= 1 or None; got {self.threads!r}")
         if self.cost_factors is not None:

@@ -223,6 +223,23 @@ def test_decode_kernel_prices_a_shared_prefix_at_its_cache_hot_rate():
         CPU.replace(decode_kernel_shared_bandwidth=0.0)
 
 
+def test_a_chunk_with_a_past_costs_its_call_keys_and_flops_when_the_profile_measured_that_path():
+    # 3 query rows over 5 past keys: keys 8, FLOPs 4 H d n keys = 4*2*4*3*8 = 768, per layer of 2.
+    prof = CPU.replace(past_attention_flops=1e8, past_attention_key_s=1e-6, past_attention_call_s=5e-6)
+    load = StepLoad.of([(5, 3, True)])
+    got = CostModel(TOY, prof, CFG).step(load)
+    assert got.groups["attention"] == pytest.approx(2 * (5e-6 + 8 * 1e-6 + 768 / 1e8))
+    # A fresh chunk (no past) keeps the roofline at the attention rate; no measurement: the same for a past.
+    fresh = StepLoad.of([(0, 3, True)])
+    assert CostModel(TOY, prof, CFG).step(fresh).groups["attention"] == pytest.approx(
+        CostModel(TOY, CPU, CFG).step(fresh).groups["attention"])
+    assert CostModel(TOY, CPU, CFG).step(load).groups["attention"] != pytest.approx(got.groups["attention"])
+    with pytest.raises(ValueError, match="past_attention_flops"):
+        CPU.replace(past_attention_flops=0.0)
+    with pytest.raises(ValueError, match="past_attention_key_s"):
+        CPU.replace(past_attention_key_s=-1.0)
+
+
 def test_cost_factors_scale_their_groups_and_groups_keep_the_unscaled_seconds():
     prof = CPU.replace(decode_kernel_bandwidth=2e8)
     load = StepLoad.of([(0, 4, True), (9, 1, True)])

@@ -100,6 +100,9 @@ def test_calibrate_quick_gives_a_saveable_cpu_profile(tmp_path, monkeypatch):
     p = calibrate(TOY, quick=True)
     _valid_measured(p)
     assert "torch" in p.notes and "calibrated at shape toy" in p.notes
+    # the prefill path over a past is measured (call + per key + FLOPs), with its method in the sources
+    assert p.past_attention_flops > 0 and p.past_attention_key_s >= 0 and p.past_attention_call_s >= 0
+    assert "masked attention" in p.sources["past_attention_flops"]
     assert load_profile("cpu") == p  # saved where load_profile("cpu") looks
     assert (tmp_path / "sim" / "cpu.json").is_file()
 
