@@ -368,11 +368,11 @@ TRUST_TEXT = {
 #: development machine): per-workload median |per-step error| and signed wall-time error, percent. A calibrated
 #: CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error|.
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03 16:36 (oneDNN linears), 2-core "
-              "development machine (README)",
-    "step_error_pct_p50": {"cpu-32": 18.1, "long-gen": 12.2, "shared-prefix": 18.0, "cpu-poisson": 13.5},
-    "wall_error_pct": {"cpu-32": -16.6, "long-gen": -9.5, "shared-prefix": -14.2, "cpu-poisson": -1.9},
-    "wall_error_pct_max": 16.6,
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03 20:03 (oneDNN linears, prefix-hit "
+              "prefill measured), 2-core development machine (README)",
+    "step_error_pct_p50": {"cpu-32": 12.1, "long-gen": 9.6, "shared-prefix": 10.5, "cpu-poisson": 11.3},
+    "wall_error_pct": {"cpu-32": -12.0, "long-gen": -14.2, "shared-prefix": -9.1, "cpu-poisson": -3.7},
+    "wall_error_pct_max": 14.2,
 }
 
 
