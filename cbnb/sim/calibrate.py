@@ -108,6 +108,7 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         warnings.warn("calibrate(): step times fell with more layers or more rows; the machine was too busy for "
                       "reliable figures (retry when it is idle, or with threads=1)", RuntimeWarning, stacklevel=2)
     mem = _available_memory()
+    past, kernel = figures.get("past_attention") or {}, figures.get("decode_kernel") or {}
     profile = HardwareProfile(
         name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
         peak_flops={s.dtype: max(r for _, r in figures["gemm"])},
@@ -117,12 +118,10 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         request_overhead_s=figures["request_s"], gemm_flops={s.dtype: figures["gemm"]},
         attention_flops={s.dtype: figures["attention"]}, elementwise_curve={s.dtype: figures["elementwise"]},
         gather_bandwidth=figures.get("gather"),
-        past_attention_flops=(figures.get("past_attention") or {}).get("flops"),
-        past_attention_key_s=(figures.get("past_attention") or {}).get("key_s", 0.0),
-        past_attention_call_s=(figures.get("past_attention") or {}).get("call_s", 0.0),
-        decode_kernel_bandwidth=(figures.get("decode_kernel") or {}).get("bandwidth"),
-        decode_kernel_call_s=(figures.get("decode_kernel") or {}).get("call_s", 0.0),
-        decode_kernel_shared_bandwidth=(figures.get("decode_kernel") or {}).get("shared_bandwidth"),
+        past_attention_flops=past.get("flops"), past_attention_key_s=past.get("key_s", 0.0),
+        past_attention_call_s=past.get("call_s", 0.0),
+        decode_kernel_bandwidth=kernel.get("bandwidth"), decode_kernel_call_s=kernel.get("call_s", 0.0),
+        decode_kernel_shared_bandwidth=kernel.get("shared_bandwidth"),
         threads=int(figures.get("threads") or 1),
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "

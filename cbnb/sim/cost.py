@@ -40,9 +40,9 @@ Operator groups, per decoder layer:
   (the decode rows whose keys span several pages, padded to the widest) runs at the measured `gather_bandwidth`
   when the profile has one, and a chunk with a past, when the profile measured that path (`calibrate`), costs
   ``past_attention_call_s + keys * past_attention_key_s + FLOPs / past_attention_flops`` (its page gather and
-  mask grow with the keys, not only with the FLOPs). Calls: CPU runner, one per prefill chunk, one per decode row whose keys fit one page, one
-  batched call for the other decode rows; CUDA runner, a KV-store kernel, a prefill kernel and a decode + reduce
-  kernel pair per layer.
+  mask grow with the keys, not only with the FLOPs). Calls: CPU runner, one per prefill chunk, one per decode row
+  whose keys fit one page, one batched call for the other decode rows; CUDA runner, a KV-store kernel, a prefill
+  kernel and a decode + reduce kernel pair per layer.
 - **elementwise** (RMSNorms, RoPE, residual adds, activation): bytes ``a T ((7 norms + 6) h + (11 + 7 qk_norm)(H +
   Hkv) d + 5 I)``, the reads and writes of transformers' eager decoder layer; rate: the elementwise bandwidth (on a
   CPU, `calibrate()` times these very ops, so transcendental ones such as SiLU and rsqrt count at their real cost).

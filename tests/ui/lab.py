@@ -51,6 +51,8 @@ class Lab:
         s.mkdir(parents=True)
         (s / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
         self.proc: subprocess.Popen | None = None
+        self._kc = None  # the kernel side channel's client (`_client`) and the kernel id it talks to
+        self._kc_id: str | None = None
 
     @property
     def url(self) -> str:
@@ -117,9 +119,8 @@ class Lab:
 
         with urllib.request.urlopen(f"{self.url}/api/sessions?token={TOKEN}") as r:
             kid = json.load(r)[0]["kernel"]["id"]
-        kc = getattr(self, "_kc", None)
-        if kc is not None and getattr(self, "_kc_id", None) == kid:
-            return kc
+        if self._kc is not None and self._kc_id == kid:
+            return self._kc
         self._close_client()
         kc = jupyter_client.BlockingKernelClient(connection_file=str(self.tmp / "rt" / f"kernel-{kid}.json"))
         kc.load_connection_file()
@@ -128,7 +129,7 @@ class Lab:
         return kc
 
     def _close_client(self) -> None:
-        kc, self._kc = getattr(self, "_kc", None), None
+        kc, self._kc = self._kc, None
         if kc is not None:
             kc.stop_channels()
 
