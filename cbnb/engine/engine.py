@@ -53,6 +53,7 @@ from .step_mode import ThreadedStepMode
 from .stops import StopMatcher
 from .structured import request_grammar
 from ..telemetry.recorder import Recorder
+from ..runner.openmp import release_after_cells, release_caller_threads
 
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
 
@@ -196,7 +197,15 @@ class Engine(ThreadedStepMode, EngineShell):
         if loop.state != "running" and loop.thread is not None:
             loop.thread.join()  # a stop() that timed out: let that thread end first
         start_loop(loop)
+        self._release_caller_omp()
+        if self.device.type == "cpu":
+            release_after_cells()
         return self
+
+    def _release_caller_omp(self) -> None:
+        # The caller's idle OpenMP pool slows every parallel region of the engine thread (cbnb.runner.openmp).
+        if self.device.type == "cpu" and threading.current_thread() is not self._loop.thread:
+            release_caller_threads()
 
     def stop(self, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the loop and join its thread, then stop the engine's HTTP servers (`serve`). From the moment this
@@ -334,6 +343,7 @@ class Engine(ThreadedStepMode, EngineShell):
         if prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_logprobs_k = [], prompt_logprobs
         handle = RequestHandle(req, self.tokenizer, self._loop.cancel)
+        self._release_caller_omp()
         self._loop.submit(req, handle)
         return handle
 
