@@ -364,15 +364,15 @@ TRUST_TEXT = {
                "to much longer prompts, other models or other GPUs is not covered"),
 }
 
-#: The last published ``python -m cbnb.sim.validate`` (README, run of 2026-12-01, ``--threads 1``, the 2-core
+#: The last published ``python -m cbnb.sim.validate`` (README, run of 2026-12-05, ``--threads 2``, the 2-core
 #: development machine): per-workload median |per-step error| and signed wall-time error, percent. A calibrated
 #: CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error|.
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-03 20:03 (oneDNN linears, prefix-hit "
-              "prefill measured), 2-core development machine (README)",
-    "step_error_pct_p50": {"cpu-32": 12.1, "long-gen": 9.6, "shared-prefix": 10.5, "cpu-poisson": 11.3},
-    "wall_error_pct": {"cpu-32": -12.0, "long-gen": -14.2, "shared-prefix": -9.1, "cpu-poisson": -3.7},
-    "wall_error_pct_max": 14.2,
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-05 02:48 (oneDNN linears, prefix-hit "
+              "prefill measured, main-thread OpenMP pool released), 2-core development machine (README)",
+    "step_error_pct_p50": {"cpu-32": 5.4, "long-gen": 5.8, "shared-prefix": 2.3, "cpu-poisson": 9.1},
+    "wall_error_pct": {"cpu-32": 0.9, "long-gen": -6.4, "shared-prefix": 1.0, "cpu-poisson": -1.2},
+    "wall_error_pct_max": 6.4,
 }
 
 
