@@ -92,7 +92,9 @@ def lab_session(chromium):
     try:
         page = chromium.new_page(viewport=VIEWPORT)
         try:
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            # The message is what the tests assert on; the stack goes to the console log (which script threw).
+            page.on("pageerror", lambda e: (errors.append(str(e)),
+                                            console.append(f"pageerror: {getattr(e, 'stack', None) or e}")))
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
                     if m.type in ("error", "warning") else None)
             s = Session(lab, page, errors, console)

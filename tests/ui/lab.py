@@ -256,4 +256,8 @@ def switch_theme(page, theme_name: str) -> None:
     page.evaluate("(t) => { window.__cbnbThemeAt = performance.now();"
                   " return window.jupyterapp.commands.execute('apputils:change-theme', {theme: t}); }", theme_name)
     page.wait_for_function("(t) => document.body.dataset.jpThemeName === t", arg=theme_name, timeout=30_000)
+    # JupyterLab shows a splash during a theme change and removes it 200 ms after the change ends, once per change:
+    # two changes within those 200 ms remove it twice, and the second throws "Failed to execute 'removeChild'" in
+    # jlab_core (JupyterLab 4's apputils splash). Wait until it is gone, so that switches never overlap.
+    page.wait_for_function("() => !document.getElementById('jupyterlab-splash')", timeout=30_000)
     settle(page)
