@@ -196,8 +196,10 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: f
 
     One pass applies every `nn.Linear` (the LM head only with `include_head`) once, in module order, each to an
     activation ``[rows, in_features]`` in the weight's dtype and device. On CPU, passes alternate between
-    ``F.linear`` and the CPU runner's oneDNN linear (`cbnb.runner.cpu_linear.runner_linear`) when they differ, and
-    the fastest pass of either counts: the floor is what the better GEMM reaches (``"impl"`` names it).
+    ``F.linear``, the CPU runner's linear (`cbnb.runner.cpu_linear.runner_linear`: oneDNN, on packed weights while
+    packing is on) when it differs, and, when the runner fuses sibling projections (`cpu_linear.fused_groups`), that
+    linear over the fused weights; the fastest pass of any counts: the floor is what the best GEMM reaches
+    (``"impl"`` names it).
     """
     import torch
     import torch.nn.functional as F
@@ -208,26 +210,38 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: f
     gen = torch.Generator(device="cpu").manual_seed(0)
     xs = {i: torch.randn(rows, i, generator=gen).to(w0.device, w0.dtype) for i in {m.in_features for m in linears}}
     flops = 2.0 * rows * sum(m.in_features * m.out_features for m in linears)
-    impls: dict[str, Any] = {"F.linear": F.linear}
+    plain = [(m.in_features, m.weight) for m in linears]
+    impls: dict[str, Any] = {"F.linear": (F.linear, plain)}
     if w0.device.type == "cpu":
-        from ..runner.cpu_linear import runner_linear
+        from ..runner import cpu_linear
 
-        alt = runner_linear(w0.dtype)
+        alt = cpu_linear.runner_linear(w0.dtype)
         if alt is not F.linear:
-            impls["oneDNN"] = alt
+            impls["oneDNN"] = (alt, plain)
+            if cpu_linear.packing():
+                leader = {id(g[0]): g for g in cpu_linear.fused_groups(model)}
+                member = {id(m) for g in leader.values() for m in g}
+                fused = []
+                for m in linears:
+                    if id(m) in leader:
+                        fused.append((m.in_features, torch.cat([x.weight for x in leader[id(m)]])))
+                    elif id(m) not in member:
+                        fused.append((m.in_features, m.weight))
+                if len(fused) < len(plain):
+                    impls["oneDNN fused"] = (cpu_linear.runner_linear(w0.dtype), fused)
     names = list(impls)
     times: dict[str, list[float]] = {n: [] for n in names}
     start = time.perf_counter()
     with torch.inference_mode():
         r = 0
-        # pass 0 of each implementation warms up (allocator, weight pages)
+        # pass 0 of each implementation warms up (allocator, weight pages, packing)
         while r <= (reps + 1) * len(names) - 1 or time.perf_counter() - start < min_s:
             name = names[r % len(names)]
-            linear = impls[name]
+            linear, units = impls[name]
             _sync(w0.device)
             t0 = time.perf_counter()
-            for m in linears:
-                linear(xs[m.in_features], m.weight)
+            for k, w in units:
+                linear(xs[k], w)
             _sync(w0.device)
             if r >= len(names):
                 times[name].append(time.perf_counter() - t0)

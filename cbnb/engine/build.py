@@ -19,6 +19,7 @@ from ..core.cache.sizing import MemoryPlan, plan_memory
 from ..core.config import ContinuousBatchingConfig
 from ..core.engine_core import EngineCore
 from ..core.requests import Request
+from ..runner import cpu_linear
 from ..runner.factory import make_runner
 from ..runner.kv import KVStore
 from ..runner.model_runner import ModelRunner
@@ -91,8 +92,11 @@ class EngineBuilder:
         Raises:
             MemoryError: when the cache cannot be sized in the available memory.
         """
+        free = free_memory(self.device)
+        if self.device.type == "cpu":
+            free -= cpu_linear.bytes_to_pack(self.model)  # the packed weight copies the CPU runner will make
         r, _, mp, swap = plan_memory(config, self.spec, self.itemsize, device_type=self.device.type,
-                                     free_bytes=free_memory(self.device), weight_bytes=self.weight_bytes,
+                                     free_bytes=max(free, 0), weight_bytes=self.weight_bytes,
                                      host_available_bytes=_host_available)
         return r, mp, swap
 

@@ -121,8 +121,7 @@ class LoopState:
         """Replace the parts by those of `config`, keeping unfinished requests (they restart from their prompt and
         tokens so far). On failure the previous config is rebuilt and the error raised."""
         carry = self.core.take_unfinished()
-        was_active = self.runner.active
-        self.runner.deactivate()
+        previous = self.runner
         old, before = self.user_config, self.config
         self.runner.release()  # free the old pool first: sizing measures free memory
         self.store = self.cache = None
@@ -133,8 +132,12 @@ class LoopState:
             self.install(old, carry)
             raise
         finally:
-            if was_active:
-                self.runner.activate()
+            # The new runner takes over before the old one lets go: the model stays routed (its packed CPU weights
+            # are kept, not packed again).
+            if self.runner is not previous:
+                if previous.active:
+                    self.runner.activate()
+                previous.deactivate()
         mark_reconfigure(self.recorder, before, self.config)
 
     def release(self) -> None:

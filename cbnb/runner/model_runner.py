@@ -101,6 +101,9 @@ class ModelRunner:
                 self.model.set_attn_implementation(self.attention_name)
             entry[0] += 1
             self._previous_impl = entry[1]
+            if self.device.type == "cpu" and self._onednn is None:
+                # Pack the linears' weights now (about a second for SmolLM2), not in the first request's forward.
+                self._onednn = cpu_linear.route(self.model) > 0
 
     def deactivate(self) -> None:
         """Restore the model's original attention implementation (once no other runner uses the model)."""

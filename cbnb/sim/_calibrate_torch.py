@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..runner import cpu_linear
 from ..runner.cpu_linear import runner_linear
 from ._together import submitted_together
 from ._calibrate_common import _ROWS, _ATT_ROWS, _median_time, _positive
@@ -19,8 +20,9 @@ METHODS = {
     "memory_bandwidth": "256 MiB tensor copy, (read + write) bytes / s",
     "host_device_bandwidth": "index_select + index_copy_ of whole KV blocks (the swap path), block bytes / s",
     "peak_flops": "the fastest GEMM rate of gemm_flops",
-    "gemm_flops": "the shape's 7 decoder projections at 1..512 rows in interleaved rounds, weights cycled through "
-                  "512 MiB, minus dispatch; made non-decreasing in rows",
+    "gemm_flops": "the shape's 7 decoder projections (4 GEMMs where the CPU runner fuses q/k/v and gate/up) at "
+                  "1..512 rows in interleaved rounds, weights cycled through 512 MiB, minus dispatch; made "
+                  "non-decreasing in rows",
     "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
     "elementwise_curve": "one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1..512 rows, L2 "
                          "flushed before each run: the bytes the cost model counts for them per second",
@@ -101,6 +103,8 @@ def _gemm(s: ModelShape, dt: torch.dtype, quick: bool, log: Callable[..., None],
           deadline: float = math.inf) -> list[list[float]]:
     h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
     projections = [(h, H * d), (h, Hkv * d), (h, Hkv * d), (H * d, h), (h, i), (h, i), (i, h)]
+    if dt == torch.float32 and cpu_linear.packing():  # the CPU runner fuses q/k/v and gate/up (same FLOPs)
+        projections = [(h, (H + 2 * Hkv) * d), (H * d, h), (h, 2 * i), (i, h)]
     layer_bytes = sum(k * n for k, n in projections) * s.itemsize
     budget = (128 if quick else 512) << 20
     nl = max(2, min(s.num_layers, math.ceil(budget / layer_bytes)))

@@ -249,6 +249,13 @@ class ModelShape:
         a = DTYPE_BYTES[normalize_dtype(dtype)] if dtype is not None else self.itemsize
         return self.num_parameters * a
 
+    def linear_weight_bytes(self) -> int:
+        """Bytes of the linear layers' weights (every decoder projection and the LM head, biases excluded): what the
+        CPU runner keeps a second, packed copy of (`cbnb.runner.cpu_linear`)."""
+        h, d, H, Hkv, i = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
+        per_layer = h * H * d + 2 * h * Hkv * d + H * d * h + 3 * h * i
+        return (self.num_layers * per_layer + self.vocab_size * h) * self.itemsize
+
     def __repr__(self) -> str:
         kinds = "hybrid" if self.layer_types and len(set(self.layer_types)) > 1 else (
             "sliding" if self.sliding_window else "full")

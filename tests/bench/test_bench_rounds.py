@@ -205,8 +205,10 @@ def test_gemm_probe_counts_the_model_shapes():
     assert body["flops_per_s"] == pytest.approx(body["flops"] / body["seconds"])
     from cbnb.runner import cpu_linear
 
-    # the floor takes the faster of F.linear and the runner's own oneDNN linear
-    assert body["impl"] in (("F.linear", "oneDNN") if cpu_linear.available() else ("F.linear",))
+    # the floor takes the fastest of F.linear, the runner's own oneDNN linear and that linear over fused weights
+    impls = ("F.linear",) + (("oneDNN",) if cpu_linear.available() else ()) \
+        + (("oneDNN fused",) if cpu_linear.packing() else ())
+    assert body["impl"] in impls
 
 
 def test_gemm_probe_times_only_f_linear_with_the_fast_path_off(monkeypatch):

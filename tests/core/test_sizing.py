@@ -93,6 +93,7 @@ def test_engine_and_simulator_size_through_one_path(monkeypatch):
     # the same model and config, they size the same cache, CUDA-graph memory included on a GPU.
     from cbnb.engine import build
     from cbnb.core.cache.sizing import plan_memory
+    from cbnb.runner import cpu_linear
     from cbnb.sim import HardwareProfile, SimEngine, load_shape
 
     model = tiny_model("tiny:llama")
@@ -105,9 +106,12 @@ def test_engine_and_simulator_size_through_one_path(monkeypatch):
     monkeypatch.setattr(build, "plan_memory", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = config(page_size=16, max_batch_tokens=64, cpu_offload_space=0)
     resolved, mp, swap = eng.plan_memory(cfg)
-    assert calls and calls[0]["free_bytes"] == free and calls[0]["device_type"] == "cpu"
-    want = plan_memory(cfg, b.spec, b.itemsize, device_type="cpu", free_bytes=free, weight_bytes=b.weight_bytes,
-                       host_available_bytes=0)
+    # the CPU runner's packed weight copies (cbnb.runner.cpu_linear) are set aside before sizing, in both
+    packed = cpu_linear.bytes_to_pack(model)
+    assert packed == (load_shape(model.config, dtype="float32").linear_weight_bytes() if cpu_linear.packing() else 0)
+    assert calls and calls[0]["free_bytes"] == free - packed and calls[0]["device_type"] == "cpu"
+    want = plan_memory(cfg, b.spec, b.itemsize, device_type="cpu", free_bytes=free - packed,
+                       weight_bytes=b.weight_bytes, host_available_bytes=0)
     assert (resolved, mp, swap) == (want[0], want[2], want[3])
     # The simulator on a profile whose free memory is the same gives the same plan.
     shape = load_shape(model.config, dtype="float32")

@@ -33,8 +33,11 @@ def _reference(q, k_pages, v_pages, rows, tables, lens, scale):
 
 
 @needs_cc
-@pytest.mark.parametrize("H, Hkv, D, P", [(9, 3, 64, 16), (4, 1, 16, 5), (4, 4, 256, 8)])
-def test_kernel_matches_sdpa_per_row(H, Hkv, D, P):
+# (40, 2, ...): more query heads per KV head (20) than one accumulator block holds (16); D 320: more dimensions
+# than one block holds (256); spread 40: scores far apart, so most exponentials underflow (the inline exp's clamp).
+@pytest.mark.parametrize("H, Hkv, D, P, spread", [(9, 3, 64, 16, 1.0), (4, 1, 16, 5, 1.0), (4, 4, 256, 8, 1.0),
+                                                  (40, 2, 64, 16, 1.0), (2, 1, 320, 8, 1.0), (9, 3, 64, 16, 40.0)])
+def test_kernel_matches_sdpa_per_row(H, Hkv, D, P, spread):
     assert cpu_kernels.available(), cpu_kernels.build_error()
     g = torch.Generator().manual_seed(0)
     rng = random.Random(0)
@@ -43,7 +46,7 @@ def test_kernel_matches_sdpa_per_row(H, Hkv, D, P):
     pool = torch.randn(nb, 3, 2, P, Hkv, D, generator=g)
     k_pages, v_pages = pool[:, 1, 0], pool[:, 1, 1]
     T = 7
-    q = torch.randn(T, H, D, generator=g)
+    q = torch.randn(T, H, D, generator=g) * spread
     rows = torch.tensor([0, 2, 3, 6])
     lens = torch.tensor([1, P, P + 1, 3 * P - 2])
     width = 3
