@@ -161,7 +161,7 @@ def _loads(rates: Iterable[float] | None, concurrencies: Iterable[int] | None) -
 def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = None,
                concurrencies: Iterable[int] | None = None, slo: SLO | None = None, figure: str = "ttft_s_p99",
                knee_method: str = "threshold", k: float = 2.0, timeout: float | None = 3600.0,
-               log: Any = False, progress: bool = False) -> LoadCurve:
+               log: Any = False, progress: bool = False, warmup: bool = True) -> LoadCurve:
     """Run `workload` on `engine` at each load (one run per point) and find the knee.
 
     Args:
@@ -173,6 +173,10 @@ def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = No
         timeout: wall seconds per run.
         log: as `run_workload`'s (default False: the points are not recorded in the engine's run log).
         progress: print one line per point.
+        warmup: one short unrecorded request on each point's fresh cache before its run (`cbnb.lab.tuning.warm_up`,
+            as `sweep` does): without it the process's first forwards land on the lowest load, whose latencies the
+            threshold knee is relative to (cpu-poisson on the real engine, 2026-12-05: concurrency 1 TTFT p99 1.64 s
+            cold against 0.35 s warm, which moved the knee from 4 to 8).
 
     Returns:
         A `LoadCurve`; a point whose requests failed is kept (its ``requests_failed`` says so) but ends the curve the
@@ -182,7 +186,7 @@ def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = No
         ValueError: neither or both of rates / concurrencies, or a bad value in them.
     """
     from .traffic import Offline, Poisson
-    from .tuning import engine_name, provenance, reconfigure, run_workload
+    from .tuning import engine_name, provenance, reconfigure, run_workload, warm_up
     from .workloads import with_arrivals
 
     kind, loads = _loads(rates, concurrencies)
@@ -192,6 +196,8 @@ def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = No
         cfg = getattr(engine, "user_config", None)
         if cfg is not None and hasattr(engine, "reconfigure"):
             reconfigure(engine, cfg)  # a fresh cache per point
+        if warmup:
+            warm_up(engine, workload)
         if kind == "rate":
             wl = with_arrivals(workload, Poisson(load))
             run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=f"rate {load:g}")

@@ -328,10 +328,8 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         full, cfg = configs[p]
         try:
             reconfigure(engine, cfg, log=log)
-            if warmup and wl.num_requests and hasattr(engine, "generate"):
-                prompt = wl.prompts[0]
-                engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2,
-                                ignore_eos=True)
+            if warmup:
+                warm_up(engine, wl)
             run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
                                workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
                                max_concurrency=max_concurrency)
@@ -359,6 +357,18 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
                       f"error: {result.failed[0]['error']} (SweepResult.failed has them all)", UserWarning,
                       stacklevel=2)
     return result
+
+
+def warm_up(engine: Any, workload: Any) -> bool:
+    """One short request (the workload's first prompt, at most 8 of its tokens, 2 new tokens) on the engine's fresh
+    cache, not recorded: a run's first forwards otherwise pay one-off costs (allocator, page faults, kernels' first
+    calls) that land on whichever point runs first. Returns whether it ran (engines without ``generate`` and empty
+    workloads are left alone)."""
+    if not workload.num_requests or not hasattr(engine, "generate"):
+        return False
+    prompt = workload.prompts[0]
+    engine.generate([prompt[:8] if not isinstance(prompt, str) else prompt], max_new_tokens=2, ignore_eos=True)
+    return True
 
 
 def _eps(a: float, b: float) -> float:

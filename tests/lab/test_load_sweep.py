@@ -73,9 +73,17 @@ def test_real_and_sim_curves_side_by_side():
     with torch_threads(1):
         eng = cbnb.Engine(tiny_model("tiny:llama"), config=config(page_size=16))
         with eng:
+            c0 = eng.events.cursor
             real = load_sweep(eng, wl, concurrencies=[1, 3], timeout=TIMEOUT)
+            warm, c1, _ = eng.events.since(c0)
+            cold = load_sweep(eng, wl, concurrencies=[1], timeout=TIMEOUT, warmup=False)
+            unwarmed = eng.events.since(c1)[0]
     assert real.engine == "cbnb" and all(r.metrics["requests_finished"] == 6 for r in real.runs)
     assert [r.workload["max_concurrency"] for r in real.runs] == [1, 3]
+    # one warm-up request per point, on its fresh cache, outside the run (the runs hold exactly the workload's six)
+    assert sum(e.kind == "request_added" for e in warm) == 2 * (6 + 1)
+    assert sum(e.kind == "request_added" for e in unwarmed) == 6  # warmup=False: the workload's six only
+    assert all(r.metrics["requests_finished"] == 6 for r in cold.runs)
     sim = load_sweep(_sim(), WL, concurrencies=[1, 4])
     fig = plot_load(real, sim)
     names = {t.name for t in fig.data}
