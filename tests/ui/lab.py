@@ -218,7 +218,9 @@ _SETTLED = """() => {
     // Visible as the charts' IntersectionObserver sees it: inside the viewport and the scrolling notebook panel.
     const onScreen = (e) => { const r = e.getBoundingClientRect();
         let top = 0, bottom = innerHeight;
-        for (let a = e.parentElement; a; a = a.parentElement) {
+        // (not the body: its overflow applies to the viewport, and its own box may be 0 px high, which clipped
+        // every chart out and made this check pass on no chart at all)
+        for (let a = e.parentElement; a && a !== document.body; a = a.parentElement) {
             if (/(auto|scroll|hidden)/.test(getComputedStyle(a).overflowY)) {
                 const q = a.getBoundingClientRect(); top = Math.max(top, q.top); bottom = Math.min(bottom, q.bottom); }
         }

@@ -524,6 +524,28 @@ def test_plots_segments_legend_meanings_and_axes(s):
 
 
 # ---------------------------------------------------------------------------------------------- presentation
+# The charts on screen (as their IntersectionObserver sees them) have redrawn in the dark theme: font colour from the
+# theme's CSS and, where a run veil is drawn, the dark veil; at least the last chart is on screen.
+_ONE_THEME = """(n) => {
+    const fg = getComputedStyle(document.body).getPropertyValue('--jp-ui-font-color1').trim();
+    const on = (e) => { const r = e.getBoundingClientRect(); let top = 0, bottom = innerHeight;
+        // (the body's overflow applies to the viewport, not to its own box, which may be 0 px high)
+        for (let a = e.parentElement; a && a !== document.body; a = a.parentElement) {
+            if (/(auto|scroll|hidden)/.test(getComputedStyle(a).overflowY)) {
+                const q = a.getBoundingClientRect(); top = Math.max(top, q.top); bottom = Math.min(bottom, q.bottom); } }
+        return r.height > 0 && r.bottom > top && r.top < bottom; };
+    const plots = Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot'));
+    if (plots.length !== n || !on(plots[n - 1])) return false;
+    return plots.filter(on).every(g => g.layout && String(g.layout.font.color).trim() === fg
+        && (g.layout.shapes || []).filter(sh => sh.type === 'rect').every(sh => sh.fillcolor === 'rgba(20,20,20,0.55)'));
+}"""
+
+_THEMES_DRAWN = """() => ({fg: getComputedStyle(document.body).getPropertyValue('--jp-ui-font-color1').trim(),
+    charts: Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).map(g => ({
+        top: Math.round(g.getBoundingClientRect().top), font: g.layout && String(g.layout.font.color),
+        veils: (g.layout && g.layout.shapes || []).filter(sh => sh.type === 'rect').map(sh => sh.fillcolor)}))})"""
+
+
 def test_theme_colours_and_font_scale(s):
     page = s.page
     s.set_theme("dark")
@@ -547,6 +569,13 @@ def test_theme_colours_and_font_scale(s):
     fill = page.evaluate(fill_js)
     assert luma([int(v) for v in re.findall(r"\d+", fill)[:3]]) > 150, fill
     assert "dark theme" in page.locator(".cbnb-controls .cbnb-theme-name").text_content()
+    # Every chart, once on screen, is drawn in one theme: the veil over earlier runs is the dark one, as its text
+    # (a switch once left the lower charts with light veils and grid under dark-theme text).
+    page.locator(".cbnb-plots .js-plotly-plot").last.scroll_into_view_if_needed()
+    try:
+        page.wait_for_function(_ONE_THEME, arg=len(page.locator(".cbnb-plots .js-plotly-plot").all()), timeout=60_000)
+    except Exception as e:  # playwright's TimeoutError: say what each chart was drawn with
+        raise AssertionError(page.evaluate(_THEMES_DRAWN)) from e
     s.set_theme("light")
     # Font scale 2x for a projector: every panel, plotly charts included.
     scale = page.locator(".cbnb-controls .cbnb-font-scale")
