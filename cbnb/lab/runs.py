@@ -297,7 +297,7 @@ def summary_frame(groups: Iterable[list[Run]], figures: Iterable[str] | None = N
 
 def provenance_text(prov: Mapping[str, Any]) -> str:
     """A short label of a run's provenance: "measured", "datasheet (unverified)", "fitted from 3 runs (+-2.1 %)",
-    "calibrated on this CPU (+-6.4 %)"."""
+    "calibrated on this CPU (+-15.1 %)"."""
     kind = prov.get("kind", "")
     err = prov.get("loo_error_pct") if prov.get("loo_error_pct") is not None else prov.get("error_pct")
     pm = f" (+-{err:.1f} %)" if isinstance(err, (int, float)) else ""
