@@ -92,11 +92,14 @@ class EngineBuilder:
         Raises:
             MemoryError: when the cache cannot be sized in the available memory.
         """
-        free = free_memory(self.device)
+        free, packed = free_memory(self.device), 0
         if self.device.type == "cpu":
-            free -= cpu_linear.bytes_to_pack(self.model)  # the packed weight copies the CPU runner will make
+            pending = cpu_linear.bytes_to_pack(self.model)  # the packed weight copies the CPU runner will make
+            free -= pending
+            packed = cpu_linear.packed_bytes(self.model) + pending
         r, _, mp, swap = plan_memory(config, self.spec, self.itemsize, device_type=self.device.type,
                                      free_bytes=max(free, 0), weight_bytes=self.weight_bytes,
+                                     packed_weight_bytes=packed,
                                      host_available_bytes=_host_available)
         return r, mp, swap
 

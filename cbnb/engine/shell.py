@@ -213,7 +213,8 @@ class EngineShell(StepMode):
             return kv_snapshot(self.cache, {r.request_id: r.num_computed for r in self.core.requests.values()})
 
     def memory_split(self) -> dict[str, int]:
-        """Bytes by use: weights, kv_cache, activations, logits, cuda_graphs, swap_pool."""
+        """Bytes by use: weights, packed_weights (the CPU runner's packed copies), kv_cache, activations, logits,
+        cuda_graphs, swap_pool."""
         split = self.memory.split()
         split["swap_pool"] = self._swap_bytes()
         return split

@@ -169,13 +169,15 @@ class SimEngine(SimDriving, EngineShell):
                               f"{self.shape.dtype}) do not fit profile {self.profile.name!r} "
                               f"({self.profile.memory_bytes / 2**30:.2f} GiB, "
                               f"{self.profile.reserved_bytes / 2**30:.2f} GiB reserved)")
+        packed = 0
         if self.profile.runner == "cpu" and self.shape.dtype == "float32":
-            free -= self.shape.linear_weight_bytes()  # the CPU runner's packed weight copies (as `Engine`'s sizing)
+            packed = self.shape.linear_weight_bytes()  # the CPU runner's packed weight copies (as `Engine`'s sizing)
+            free -= packed
         host = self.profile.host_memory_bytes if self.profile.host_memory_bytes is not None else _UNLIMITED_HOST
         resolved, _, memory, swap = plan_memory(
             config, self.shape.kv_spec(), self.shape.itemsize, device_type=self.profile.device_type,
             free_bytes=free, weight_bytes=self.weight_bytes, host_available_bytes=host,
-            cuda_graphs_supported=self.profile.kind == "gpu")
+            cuda_graphs_supported=self.profile.kind == "gpu", packed_weight_bytes=packed)
         return resolved, memory, swap
 
     def _install(self, config: ContinuousBatchingConfig, carry: Sequence[Request] = ()) -> None:

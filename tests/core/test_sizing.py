@@ -111,7 +111,8 @@ def test_engine_and_simulator_size_through_one_path(monkeypatch):
     assert packed == (load_shape(model.config, dtype="float32").linear_weight_bytes() if cpu_linear.packing() else 0)
     assert calls and calls[0]["free_bytes"] == free - packed and calls[0]["device_type"] == "cpu"
     want = plan_memory(cfg, b.spec, b.itemsize, device_type="cpu", free_bytes=free - packed,
-                       weight_bytes=b.weight_bytes, host_available_bytes=0)
+                       weight_bytes=b.weight_bytes, host_available_bytes=0, packed_weight_bytes=packed)
+    assert mp.packed_weight_bytes == packed and mp.split()["packed_weights"] == packed  # shown in the config panel
     assert (resolved, mp, swap) == (want[0], want[2], want[3])
     # The simulator on a profile whose free memory is the same gives the same plan.
     shape = load_shape(model.config, dtype="float32")

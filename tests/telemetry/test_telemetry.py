@@ -136,7 +136,8 @@ def test_step_timing_and_cpu_graph_counts(tiny):
     assert run["ttft_s"]["count"] == 1 and run["ttft_s"]["p50"] > 0
     assert run["tpot_s"]["count"] == 1
     assert run["cuda_graph_capture_failures"] == 0
-    assert set(stats["memory_bytes"]) == {"weights", "kv_cache", "activations", "logits", "cuda_graphs", "swap_pool"}
+    assert set(stats["memory_bytes"]) == {"weights", "packed_weights", "kv_cache", "activations", "logits", "cuda_graphs",
+                                           "swap_pool"}
     assert stats["memory_bytes"]["cuda_graphs"] == 0
 
 

@@ -48,6 +48,8 @@ class MemoryPlan:
         logits_bytes: fp32 logits for `max_requests_per_batch` rows.
         graph_bytes: what CUDA graphs hold beyond that (static logits buffers and the graph pool; 0 without).
         weight_bytes: the model's parameters and buffers.
+        packed_weight_bytes: the CPU runner's packed copies of the linear weights (`cbnb.runner.cpu_linear`; 0
+            elsewhere), set aside before sizing.
         free_bytes: free memory measured before sizing.
         budget_bytes: `free_bytes * max_memory_percent`.
         capacity_tokens: tokens the largest layer group can hold.
@@ -65,10 +67,11 @@ class MemoryPlan:
     capacity_tokens: int
     explicit: bool
     graph_bytes: int = 0
+    packed_weight_bytes: int = 0
 
     def split(self) -> dict[str, int]:
-        """{"weights", "kv_cache", "activations", "logits", "cuda_graphs"} in bytes."""
-        return {"weights": self.weight_bytes, "kv_cache": self.cache_bytes,
+        """{"weights", "packed_weights", "kv_cache", "activations", "logits", "cuda_graphs"} in bytes."""
+        return {"weights": self.weight_bytes, "packed_weights": self.packed_weight_bytes, "kv_cache": self.cache_bytes,
                 "activations": self.activation_bytes, "logits": self.logits_bytes, "cuda_graphs": self.graph_bytes}
 
 
@@ -107,6 +110,7 @@ def plan_cache(
     max_memory_percent: float,
     free_bytes: int,
     weight_bytes: int = 0,
+    packed_weight_bytes: int = 0,
     num_blocks: int | None = None,
     cuda_graphs: tuple[bool, bool] = (False, False),
     io_pairs: int = 1,
@@ -121,6 +125,8 @@ def plan_cache(
         max_memory_percent: share of `free_bytes` the engine may use (0, 1].
         free_bytes: free device memory (CUDA: `mem_get_info` free; CPU: available RAM), bytes.
         weight_bytes: already-loaded model bytes (reported only; they are not in `free_bytes`).
+        packed_weight_bytes: the runner's packed weight copies (reported only: the caller takes what is not
+            allocated yet out of `free_bytes`).
         num_blocks: explicit size in whole-model blocks, or None to infer.
         cuda_graphs, io_pairs: the CUDA graphs in use and the IO pairs (see `graph_bytes`).
 
@@ -168,6 +174,7 @@ def plan_cache(
         activation_bytes=act + tokens_per_sector * gathered_per_token * sectors,
         logits_bytes=logits,
         weight_bytes=weight_bytes,
+        packed_weight_bytes=packed_weight_bytes,
         free_bytes=free_bytes,
         budget_bytes=budget,
         capacity_tokens=capacity,
@@ -192,7 +199,8 @@ def swap_sectors(layout: KVLayout, cpu_offload_space_gib: float | None, safety_t
 
 def plan_memory(config: Any, spec: dict[str, Any], itemsize: int, *, device_type: str, free_bytes: int,
                 weight_bytes: int, host_available_bytes: int | Callable[[], int],
-                cuda_graphs_supported: bool | None = None) -> tuple[Any, KVLayout, MemoryPlan, int]:
+                cuda_graphs_supported: bool | None = None,
+                packed_weight_bytes: int = 0) -> tuple[Any, KVLayout, MemoryPlan, int]:
     """Resolve a config for a device and size its cache and swap pool, allocating nothing (torch-free).
 
     The one sizing path: `cbnb.engine.build.EngineBuilder` (hence `cbnb.Engine.plan_memory`) runs it with measured free
@@ -210,6 +218,7 @@ def plan_memory(config: Any, spec: dict[str, Any], itemsize: int, *, device_type
         host_available_bytes: host RAM available (clamps the swap pool), or a function returning it (only called
             when the config asks for a swap pool).
         cuda_graphs_supported: whether the backend can capture CUDA graphs (None: on "cuda" only).
+        packed_weight_bytes: the CPU runner's packed weight copies (reported; see `plan_cache`).
 
     Returns:
         (resolved config with num_blocks filled in, the layout, the memory plan, host swap sectors).
@@ -222,7 +231,7 @@ def plan_memory(config: Any, spec: dict[str, Any], itemsize: int, *, device_type
     graphs = r.cuda_graph_booleans
     mp = plan_cache(layout, spec, max_batch_tokens=r.max_batch_tokens, max_requests_per_batch=r.max_requests_per_batch,
                     max_memory_percent=r.max_memory_percent, free_bytes=free_bytes, weight_bytes=weight_bytes,
-                    num_blocks=r.num_blocks, cuda_graphs=graphs,
+                    packed_weight_bytes=packed_weight_bytes, num_blocks=r.num_blocks, cuda_graphs=graphs,
                     io_pairs=2 if r.use_async_batching and any(graphs) else 1)
     swap = 0
     if r.cpu_offload_space is None or r.cpu_offload_space > 0:
