@@ -4,7 +4,7 @@
 // proposed), the config as transformers code, and a sticky Apply / Reset bar with the result next to it.
 
 const MEM_PARTS = [
-  ["weights", "weights", "#9d755d"], ["packed_weights", "packed weight copies (CPU)", "#c9a183"],
+  ["weights", "weights", "#9d755d"], ["packed_weights", "packed weights (CPU)", "#c9a183"],
   ["kv_cache", "KV cache", "#4c78a8"],
   ["activations", "activations", "#f58518"], ["logits", "logits", "#e45756"], ["cuda_graphs", "CUDA graphs", "#72b7b2"],
   ["swap_pool", "host swap", "#bab0ac"],
