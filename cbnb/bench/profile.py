@@ -3,7 +3,7 @@
 Runs one workload through cbnb and profiles, in the engine thread, every step: the per-op table of the first
 prefill-only step (on cpu-32 a full 512-token chunk) and of the first step where every request decodes, and for the
 whole run the share of each category (GEMM, attention, elementwise, KV writes, other ops) plus what no op accounts
-for (the compiled decode-attention kernel, timed apart, and Python between ops). Times are the profiler's (wall
+for (the compiled decode-attention kernel and the C layer ops, timed apart, and Python between ops). Times are the profiler's (wall
 clock inside ops); on a shared machine compare shares and op counts, not seconds. ``--threads 1`` gives the most
 repeatable picture. Example::
 
@@ -45,7 +45,7 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     from ..core.config import ContinuousBatchingConfig
     from ..engine.engine import Engine
     from ..engine.models import load_model
-    from ..runner import cpu_kernels
+    from ..runner import cpu_kernels, layer_ops
     from ..lab.workloads import get_workload
 
     if args.threads:
@@ -56,15 +56,20 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     eng = Engine(model, tokenizer=tok, config=cfg)
     totals: dict[str, list] = {}
     picked: dict[str, Any] = {}
-    acc = {"wall": 0.0, "kernel": 0.0, "steps": 0}
-    real_kernel = cpu_kernels.paged_decode
+    acc = {"wall": 0.0, "kernel": 0.0, "layer_ops": 0.0, "steps": 0}
+    # The C calls are invisible to the profiler: time them apart (module attributes, looked up at each call).
+    patched = [(cpu_kernels, "paged_decode", "kernel")] + [(layer_ops, n, "layer_ops") for n in layer_ops.__all__
+                                                           if n != "available"]
+    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 
-    def timed_kernel(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real_kernel(*a, **k)
-        finally:
-            acc["kernel"] += time.perf_counter() - t0
+    def timed(real, slot):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                acc[slot] += time.perf_counter() - t0
+        return call
 
     execute = eng.runner.execute
 
@@ -94,24 +99,28 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
         return result
 
     eng.runner.execute = profiled
-    cpu_kernels.paged_decode = timed_kernel
+    for (mod, name, slot), (_, _, real) in zip(patched, originals):
+        setattr(mod, name, timed(real, slot))
     try:
         with eng:
             eng.generate([wl.prompts[0][:8]], max_new_tokens=2, ignore_eos=True)  # warm-up, profiled apart
             totals.clear()
-            acc.update(wall=0.0, kernel=0.0, steps=0)
+            picked.clear()  # the tables show the workload's own steps, not the warm-up's
+            acc.update(wall=0.0, kernel=0.0, layer_ops=0.0, steps=0)
             handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True)
                        for p, n in zip(wl.prompts, wl.max_new_tokens)]
             for h in handles:
                 h.result()
     finally:
-        cpu_kernels.paged_decode = real_kernel
+        for mod, name, real in originals:
+            setattr(mod, name, real)
     ops = sum(v[0] for v in totals.values())
     cats: dict[str, float] = {}
     for name, (t, _) in totals.items():
         cats[category(name)] = cats.get(category(name), 0.0) + t
     cats["decode kernel (C)"] = acc["kernel"]
-    cats["python / between ops"] = max(0.0, acc["wall"] - ops - acc["kernel"])
+    cats["layer ops (C)"] = acc["layer_ops"]
+    cats["python / between ops"] = max(0.0, acc["wall"] - ops - acc["kernel"] - acc["layer_ops"])
     return {"steps": acc["steps"], "wall_s": acc["wall"], "categories": cats, "picked": picked,
             "threads": torch.get_num_threads(), "kernel": cpu_kernels.available()}
 

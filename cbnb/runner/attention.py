@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, layer_ops
 
 __all__ = ["ATTN_NAME", "register", "paged_attention_forward", "paged_attention_op", "current_batch"]
 
@@ -99,8 +99,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # One `index_copy_` per K and V over the pool's token rows (advanced indexing costs ~10x more per call).
         rows, base = batch.store.token_rows, batch.store.layer_row_offset[layer]
         page = k_pages.shape[1]
-        rows.index_copy_(0, gb.write_rows + base, k.reshape(k.shape[0], -1).to(rows.dtype))
-        rows.index_copy_(0, gb.write_rows + (base + page), v.reshape(v.shape[0], -1).to(rows.dtype))
+        k2, v2 = k.reshape(k.shape[0], -1).to(rows.dtype), v.reshape(v.shape[0], -1).to(rows.dtype)
+        if rows.dtype == torch.float32 and rows.device.type == "cpu" and layer_ops.available():
+            layer_ops.write_kv(rows, gb.write_rows, base, base + page, k2, v2)  # one C call, same bytes
+        else:
+            rows.index_copy_(0, gb.write_rows + base, k2)
+            rows.index_copy_(0, gb.write_rows + (base + page), v2)
     else:
         k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
         v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "enabled", "paged_decode", "build_error"]
+__all__ = ["available", "enabled", "paged_decode", "build_error", "build_library"]
 
 _SRC = Path(__file__).with_name("paged_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -61,19 +61,23 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path(os.path.expanduser("~/.cache/cbnb/kernels"))
 
 
-def _build() -> ctypes.CDLL:
+def build_library(path: Path = _SRC, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile the C source `path` (with `extra` flags after the common ones) into a shared library, or load the copy
+    cached for this source, compiler, flags and CPU. Raises RuntimeError without a compiler or when the build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, *_LIBS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode-{key}.so"
+    # The key covers the headers beside the source too (they are #included: cbnb_exp.h).
+    src = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
+    flags = [*_FLAGS, *extra]
+    key = hashlib.sha256(src + " ".join([cc, *flags, *_LIBS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{path.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, *_LIBS], capture_output=True, text=True,
+            r = subprocess.run([cc, *flags, str(path), "-o", tmp, *_LIBS], capture_output=True, text=True,
                                timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-500:]}")
@@ -94,7 +98,7 @@ def available() -> bool:
     with _lock:
         if not _tried:
             try:
-                lib = _build()
+                lib = build_library()
                 fn = lib.cbnb_paged_decode_f32
                 fn.restype = ctypes.c_int
                 fn.argtypes = _ARGTYPES

@@ -21,7 +21,7 @@ import torch
 
 from ..core.cache.manager import CacheManager
 from ..core.plan import StepResult, StepWork
-from . import cpu_linear
+from . import cpu_layers, cpu_linear
 from .attention import ATTN_NAME, register
 from .batch import build_step_batch
 from .compiled import compiled_forward, resolve_compile_configs
@@ -104,6 +104,7 @@ class ModelRunner:
             if self.device.type == "cpu" and self._onednn is None:
                 # Pack the linears' weights now (about a second for SmolLM2), not in the first request's forward.
                 self._onednn = cpu_linear.route(self.model) > 0
+                cpu_layers.route(self.model)
 
     def deactivate(self) -> None:
         """Restore the model's original attention implementation (once no other runner uses the model)."""
@@ -117,6 +118,7 @@ class ModelRunner:
                     del _ACTIVE[self.model]
                     self.model.set_attn_implementation(entry[1])
                     cpu_linear.unroute(self.model)
+                    cpu_layers.unroute(self.model)
             self._previous_impl = None
             self._onednn = None
 
@@ -181,6 +183,8 @@ class ModelRunner:
         if self._onednn is None:
             with _ACTIVE_LOCK:
                 self._onednn = self.device.type == "cpu" and cpu_linear.route(self.model) > 0
+                if self.device.type == "cpu":
+                    cpu_layers.route(self.model)
         return cpu_linear.onednn() if self._onednn else contextlib.nullcontext()
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..runner import cpu_linear
+from ..runner import cpu_linear, layer_ops
 from ..runner.cpu_linear import runner_linear
 from ._together import submitted_together
 from ._calibrate_common import _ROWS, _ATT_ROWS, _median_time, _positive
@@ -24,8 +24,9 @@ METHODS = {
                   "1..512 rows in interleaved rounds, weights cycled through 512 MiB, minus dispatch; made "
                   "non-decreasing in rows",
     "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
-    "elementwise_curve": "one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1..512 rows, L2 "
-                         "flushed before each run: the bytes the cost model counts for them per second",
+    "elementwise_curve": "one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1..512 rows (the "
+                         "CPU runner's C layer ops where it uses them, cbnb.runner.cpu_layers), L2 flushed before "
+                         "each run: the bytes the cost model counts for them per second",
     "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
                         "bytes the cost model counts per second",
     "past_attention_flops": "the CPU runner's prefill path over a past (page gather + masked attention, "
@@ -173,15 +174,18 @@ def _attention(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, log: Call
 
 def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: float,
                  log: Callable[..., None]) -> list[list[float]]:
-    """The elementwise ops of one eager decoder layer (RMSNorms, RoPE on q and k, SiLU * up, residual adds) at 1 .. 512
-    rows, with the L2 cache flushed before each run (in a forward, the layer's weights stream through it in between);
+    """The elementwise ops of one eager decoder layer (RMSNorms, RoPE on q and k, SiLU * up, residual adds; through the
+    runner's C layer ops where it uses them) at 1 .. 512 rows, with the L2 cache flushed before each run (in a forward, the layer's weights stream through it in between);
     returns, per rows, the bytes the cost model counts for them (`elementwise_elems`) per second of their real time."""
     from .cost import elementwise_elems
 
     h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
     half = d // 2
     junk = torch.ones((16 << 20) // 4)
-    ops = 5 * s.norms_per_layer + (10 if s.qk_norm else 0) + 14
+    fast = _runner_layers(s)
+    # Calls per layer: transformers' eager ops, or the runner's C layer ops (cbnb.runner.cpu_layers: two norms,
+    # rotary, SiLU * up) and its one residual add in torch.
+    ops = 5 if fast else 5 * s.norms_per_layer + (10 if s.qk_norm else 0) + 14
     curve = []
     for rows in ((1, 64, 512) if quick else (1, 16, 64, 256, 512)):
         x = torch.randn(rows, h, dtype=dt)
@@ -197,6 +201,16 @@ def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: f
         def rope(t: torch.Tensor) -> torch.Tensor:
             return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
 
+        qk = torch.randn(rows, (H + Hkv) * d, dtype=dt)
+        qf, kf, cs = qk[:, :H * d], qk[:, H * d:], torch.randn(rows, d, dtype=dt)
+
+        def fast_layer() -> None:
+            _, n1 = layer_ops.rms_norm(x, w, 1e-6)
+            layer_ops.rope_qk(qf, kf, cs, cs, H, Hkv)
+            layer_ops.rms_norm(n1, w, 1e-6, residual=x)
+            layer_ops.silu_mul(g, u)
+            x + x
+
         def layer() -> None:
             for _ in range(s.norms_per_layer):
                 norm(x, w)
@@ -210,12 +224,27 @@ def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: f
         for _ in range(reps + 1):
             junk.mul_(1.0)  # evict the L2 cache, as the weights of a layer do
             t0 = time.perf_counter()
-            layer()
+            (fast_layer if fast else layer)()
             times.append(time.perf_counter() - t0)
         t = statistics.median(times[1:])
         curve.append([rows, s.itemsize * rows * elementwise_elems(s) / _positive(t - ops * op_s, t * 0.05)])
-    log("elementwise " + ", ".join(f"rows={m}: {r / 1e9:.1f} GB/s" for m, r in curve))
+    log(f"elementwise ({'C layer ops' if fast else 'torch ops'}) "
+        + ", ".join(f"rows={m}: {r / 1e9:.1f} GB/s" for m, r in curve))
     return curve
+
+
+def _runner_layers(s: ModelShape) -> bool:
+    """Whether the CPU runner runs this shape's decoder layers through its C layer ops (`cbnb.runner.cpu_layers`),
+    asked of a one-layer model of the shape's type."""
+    from ..runner import cpu_layers
+
+    if s.dtype != "float32":
+        return False
+    m = _tiny_model(s, 1)
+    try:
+        return cpu_layers.route(m) > 0
+    finally:
+        cpu_layers.unroute(m)
 
 
 def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float] | None:
