@@ -12,7 +12,7 @@ import torch
 
 from cbnb.core.requests import SamplingParams
 from cbnb.runner import sampling as sm
-from cbnb.runner import noise
+from cbnb.runner import cpu_kernels, noise
 from cbnb.runner.sampling import Sampler, gumbel_noise, row_key
 
 NEG = float("-inf")
@@ -68,14 +68,21 @@ PARAMS = [dict(top_p=0.9), dict(top_p=0.3), dict(top_p=1e-6), dict(top_p=1.0), d
 
 
 # ------------------------------------------------------------------------------------------------ building blocks
+@pytest.mark.parametrize("c_pass", [True, False], ids=["c_pass", "torch_passes"])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 1000), (7, 50257), (40, 4096)])
-def test_int32_noise_equals_the_int64_definition(shape):
+def test_int32_noise_equals_the_int64_definition(monkeypatch, shape, c_pass):
+    # The CPU fast path hashes in C (cbnb/runner/noise.c); with it off, int32 torch passes: both are the definition.
+    monkeypatch.setenv("CBNB_CPU_KERNELS", "1" if c_pass else "0")
+    calls = []
+    real = noise._c_uniform
+    monkeypatch.setattr(noise, "_c_uniform", lambda: calls.append(1) or real())
     S, V = shape
     lo = torch.randint(0, 2 ** 31 - 1, (S, 1))
     hi = torch.randint(0, 2 ** 31 - 1, (S, 1))
     lo[0], hi[0] = 0, 2 ** 31 - 1  # extremes of the key halves
     got = noise._noise_into(torch.empty(S, V), lo, hi)
     assert torch.equal(got, gumbel_noise(lo, hi, V))
+    assert calls and (real() is not None) == (c_pass and cpu_kernels.available())
 
 
 def test_int32_multiply_wraps_like_int64_low_bits():
