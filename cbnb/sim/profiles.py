@@ -369,11 +369,11 @@ TRUST_TEXT = {
 #: calibrated CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error| of that day's three
 #: runs (the two earlier ones missed the wall target where the machine had slowed down after the calibration).
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-06 03:20 (packed oneDNN linears, "
-              "rewritten decode kernel), 2-core development machine (README); wall_error_pct_max over that day's "
-              "runs at 02:23, 03:02 and 03:20",
-    "step_error_pct_p50": {"cpu-32": 3.3, "long-gen": 3.8, "shared-prefix": 3.9, "cpu-poisson": 3.9},
-    "wall_error_pct": {"cpu-32": 3.0, "long-gen": -4.6, "shared-prefix": 5.3, "cpu-poisson": -0.4},
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-06 05:31 (packed oneDNN linears, "
+              "rewritten decode kernel, decoder layers with C ops), 2-core development machine (README); "
+              "wall_error_pct_max over that day's runs at 02:23, 03:02, 03:20 and 05:31",
+    "step_error_pct_p50": {"cpu-32": 1.8, "long-gen": 5.5, "shared-prefix": 6.7, "cpu-poisson": 7.7},
+    "wall_error_pct": {"cpu-32": -0.0, "long-gen": -5.8, "shared-prefix": -4.0, "cpu-poisson": -0.4},
     "wall_error_pct_max": 15.1,
 }
 
