@@ -9,6 +9,8 @@ and CPU, into ``$CBNB_KERNEL_CACHE`` (default ``~/.cache/cbnb/kernels``); later 
 The library binds to the OpenMP runtime torch has already loaded (same soname), so it shares torch's threads.
 Without a compiler, or when the build or load fails, `available()` is False once, with a warning, and the runner
 uses its torch path. ``CBNB_CPU_KERNELS=0`` switches the kernel off (the "fast path off" of the oracle tests).
+The other C sources of the CPU fast path (`cbnb.runner.layer_ops`, `cbnb.runner.noise`) are built and loaded the
+same way (`LazyLibrary`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,15 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["available", "enabled", "paged_decode", "build_error", "build_library"]
+__all__ = ["available", "enabled", "paged_decode", "build_error", "build_library", "LazyLibrary"]
 
 _SRC = Path(__file__).with_name("paged_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 _LIBS = ["-lm"]
-_lock = threading.Lock()
-_fn = None
-_error: str | None = None
-_tried = False
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
@@ -88,32 +87,58 @@ def build_library(path: Path = _SRC, extra: tuple[str, ...] = ()) -> ctypes.CDLL
     return ctypes.CDLL(str(out))
 
 
+class LazyLibrary:
+    """A C source beside this module, built (`build_library`) and bound on its first use, once per process.
+
+    `get()` returns what ``bind(library)`` returned (e.g. its functions with their ctypes signatures), or None with
+    the CPU fast path off (`enabled`) or when the build, load or binding failed: then one RuntimeWarning says
+    "cbnb: <what> is unavailable (<why>); <fallback>", `error` keeps the why, and later calls return None quietly.
+    Thread-safe (one build even when several engines start at once).
+    """
+
+    def __init__(self, source: str, bind: Callable[[ctypes.CDLL], Any], what: str, fallback: str,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.path = Path(__file__).with_name(source)
+        self.bind, self.what, self.fallback, self.extra = bind, what, fallback, extra
+        self.bound: Any = None
+        self.error: str | None = None
+        self.tried = False
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        if not enabled():
+            return None
+        if not self.tried:
+            with self._lock:
+                if not self.tried:
+                    try:
+                        self.bound = self.bind(build_library(self.path, self.extra))
+                    except Exception as e:  # no compiler, a failed build or load: the torch path serves instead
+                        self.error = f"{type(e).__name__}: {e}"
+                        warnings.warn(f"cbnb: {self.what} is unavailable ({self.error}); {self.fallback}",
+                                      RuntimeWarning, stacklevel=3)
+                    self.tried = True
+        return self.bound
+
+
+def _bind_paged(lib: ctypes.CDLL) -> Any:
+    fn = lib.cbnb_paged_decode_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = _ARGTYPES
+    return fn
+
+
+_PAGED = LazyLibrary(_SRC.name, _bind_paged, "the CPU decode-attention kernel", "using the torch attention path")
+
+
 def available() -> bool:
     """Whether the kernel is enabled and loaded (builds it on the first call; a failure warns once)."""
-    global _fn, _error, _tried
-    if not enabled():
-        return False
-    if _tried:
-        return _fn is not None
-    with _lock:
-        if not _tried:
-            try:
-                lib = build_library()
-                fn = lib.cbnb_paged_decode_f32
-                fn.restype = ctypes.c_int
-                fn.argtypes = _ARGTYPES
-                _fn = fn
-            except Exception as e:  # no compiler, a failed build or load: the torch path serves instead
-                _error = f"{type(e).__name__}: {e}"
-                warnings.warn(f"cbnb: the CPU decode-attention kernel is unavailable ({_error}); using the torch "
-                              "attention path", RuntimeWarning, stacklevel=2)
-            _tried = True
-    return _fn is not None
+    return _PAGED.get() is not None
 
 
 def build_error() -> str | None:
     """Why the kernel is unavailable (None when it loaded or was never tried)."""
-    return _error
+    return _PAGED.error
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, rows: torch.Tensor,
@@ -133,8 +158,9 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     Raises:
         RuntimeError: the kernel is unavailable, or it rejected its arguments.
     """
-    if _fn is None and not available():
-        raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {_error}")
+    fn = _PAGED.bound if _PAGED.bound is not None else _PAGED.get()
+    if fn is None:
+        raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {_PAGED.error}")
     for t in (q, k_pages, v_pages, out):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
             raise ValueError("paged_decode needs float32 CPU tensors with a contiguous last dimension")
@@ -146,7 +172,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     T, H, D = q.shape
     _, page, hkv, _ = k_pages.shape
     B, W = tables.shape
-    rc = _fn(q.data_ptr(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
              k_pages.stride(1), k_pages.stride(2), page, rows.data_ptr(), tables.data_ptr(), W, lens.data_ptr(), B, H,
              hkv, D, float(scale), out.data_ptr(), out.stride(0), out.stride(1), int(max_len),
              torch.get_num_threads())

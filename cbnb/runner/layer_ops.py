@@ -18,9 +18,6 @@ keeps transformers' forward.
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 
@@ -28,43 +25,40 @@ from . import cpu_kernels
 
 __all__ = ["available", "rope_qk", "write_kv", "rms_norm", "silu_mul"]
 
-_SRC = Path(__file__).with_name("layer_ops.c")
-_EXTRA = ("-ffp-contract=off",)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _F32 = torch.float32
-_lock = threading.Lock()
-_lib = None
-_tried = False
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, args in (
+            ("cbnb_rope_qk_f32", [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                  ctypes.c_int]),
+            ("cbnb_write_kv_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]),
+            ("cbnb_add_rms_norm_f32", [_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64,
+                                       ctypes.c_int]),
+            ("cbnb_silu_mul_f32", [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_int])):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = args
+    return lib
+
+
+# -ffp-contract=off: no fused multiply-add, so the rotary rounds as torch does (module docstring).
+_LIB = cpu_kernels.LazyLibrary("layer_ops.c", _bind, "the CPU layer ops", "using torch ops",
+                               extra=("-ffp-contract=off",))
 
 
 def available() -> bool:
     """Whether the ops are enabled (the CPU fast path, `cpu_kernels.enabled`) and loaded (built on the first call;
     a failure warns once)."""
-    global _lib, _tried
-    if not cpu_kernels.enabled():
-        return False
-    if _tried:
-        return _lib is not None
-    with _lock:
-        if not _tried:
-            try:
-                lib = cpu_kernels.build_library(_SRC, _EXTRA)
-                lib.cbnb_rope_qk_f32.restype = ctypes.c_int
-                lib.cbnb_rope_qk_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                                 _I64, _I64, ctypes.c_int]
-                lib.cbnb_write_kv_f32.restype = ctypes.c_int
-                lib.cbnb_write_kv_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
-                lib.cbnb_add_rms_norm_f32.restype = ctypes.c_int
-                lib.cbnb_add_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, _PTR, _PTR,
-                                                      _I64, _I64, ctypes.c_int]
-                lib.cbnb_silu_mul_f32.restype = ctypes.c_int
-                lib.cbnb_silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_int]
-                _lib = lib
-            except Exception as e:  # no compiler, a failed build or load: the torch code serves instead
-                warnings.warn(f"cbnb: the CPU layer ops are unavailable ({type(e).__name__}: {e}); using torch ops",
-                              RuntimeWarning, stacklevel=2)
-            _tried = True
-    return _lib is not None
+    return _LIB.get() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _LIB.bound if _LIB.bound is not None else _LIB.get()
+    if lib is None:
+        raise RuntimeError(f"the CPU layer ops are unavailable: {_LIB.error}")
+    return lib
 
 
 def _rows_ok(t: torch.Tensor, width: int) -> bool:
@@ -89,8 +83,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     Raises:
         ValueError: a shape, dtype or layout the op does not take (callers check `available()` first).
     """
-    if _lib is None and not available():
-        raise RuntimeError("the CPU layer ops are unavailable")
+    lib = _lib()
     T, D = cos.shape
     if not (_rows_ok(q, num_heads * D) and _rows_ok(k, num_kv_heads * D) and _rows_ok(cos, D) and _rows_ok(sin, D)
             and q.shape[0] == k.shape[0] == sin.shape[0] == T and sin.stride(0) == cos.stride(0) and D % 2 == 0):
@@ -99,7 +92,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     qo = torch.empty(T, num_heads, D)
     ko = torch.empty(T, num_kv_heads, D)
     if T:
-        rc = _lib.cbnb_rope_qk_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(),
+        rc = lib.cbnb_rope_qk_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(),
                                    sin.data_ptr(), cos.stride(0), qo.data_ptr(), ko.data_ptr(), T, num_heads,
                                    num_kv_heads, D, torch.get_num_threads())
         if rc != 0:
@@ -121,14 +114,13 @@ def write_kv(rows: torch.Tensor, slots: torch.Tensor, k_base: int, v_base: int, 
         IndexError: a target row outside ``[0, N)`` (nothing is written).
         ValueError: a dtype or layout the op does not take.
     """
-    if _lib is None and not available():
-        raise RuntimeError("the CPU layer ops are unavailable")
+    lib = _lib()
     n, w = rows.shape
     T = slots.shape[0]
     if not (rows.is_contiguous() and _rows_ok(rows, w) and _rows_ok(k, w) and _rows_ok(v, w)
             and k.shape[0] == v.shape[0] == T and slots.dtype == torch.int64 and slots.is_contiguous()):
         raise ValueError("write_kv needs contiguous float32 rows [N, W], k and v [T, W] and int64 slots [T]")
-    rc = _lib.cbnb_write_kv_f32(rows.data_ptr(), n, w, slots.data_ptr(), T, int(k_base), int(v_base), k.data_ptr(),
+    rc = lib.cbnb_write_kv_f32(rows.data_ptr(), n, w, slots.data_ptr(), T, int(k_base), int(v_base), k.data_ptr(),
                                 k.stride(0), v.data_ptr(), v.stride(0))
     if rc == 2:
         raise IndexError(f"write_kv: a slot + base is outside the {n} cache rows")
@@ -152,8 +144,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Raises:
         ValueError: a shape, dtype or layout the op does not take.
     """
-    if _lib is None and not available():
-        raise RuntimeError("the CPU layer ops are unavailable")
+    lib = _lib()
     T, n = x.shape
     if not (_rows_ok(x, n) and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
             and (residual is None or (_rows_ok(residual, n) and residual.shape[0] == T))):
@@ -162,7 +153,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     s = x if residual is None else torch.empty(T, n)
     if T:
         a, b = (x, None) if residual is None else (residual, x)
-        rc = _lib.cbnb_add_rms_norm_f32(a.data_ptr(), a.stride(0), None if b is None else b.data_ptr(),
+        rc = lib.cbnb_add_rms_norm_f32(a.data_ptr(), a.stride(0), None if b is None else b.data_ptr(),
                                         0 if b is None else b.stride(0), weight.data_ptr(), float(eps),
                                         None if b is None else s.data_ptr(), y.data_ptr(), T, n,
                                         torch.get_num_threads())
@@ -183,14 +174,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a shape, dtype or layout the op does not take.
     """
-    if _lib is None and not available():
-        raise RuntimeError("the CPU layer ops are unavailable")
+    lib = _lib()
     T, n = gate.shape
     if not (_rows_ok(gate, n) and _rows_ok(up, n) and up.shape[0] == T):
         raise ValueError(f"silu_mul: unsupported shapes/layout gate {tuple(gate.shape)} up {tuple(up.shape)}")
     y = torch.empty(T, n)
     if T:
-        rc = _lib.cbnb_silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), T, n,
+        rc = lib.cbnb_silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), T, n,
                                     torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"silu_mul rejected its arguments (code {rc})")

@@ -103,8 +103,7 @@ class ModelRunner:
             self._previous_impl = entry[1]
             if self.device.type == "cpu" and self._onednn is None:
                 # Pack the linears' weights now (about a second for SmolLM2), not in the first request's forward.
-                self._onednn = cpu_linear.route(self.model) > 0
-                cpu_layers.route(self.model)
+                self._onednn = _route_cpu(self.model)
 
     def deactivate(self) -> None:
         """Restore the model's original attention implementation (once no other runner uses the model)."""
@@ -182,10 +181,16 @@ class ModelRunner:
         """The eager CPU forward's linears through oneDNN (`cbnb.runner.cpu_linear`; off with the CPU fast path)."""
         if self._onednn is None:
             with _ACTIVE_LOCK:
-                self._onednn = self.device.type == "cpu" and cpu_linear.route(self.model) > 0
-                if self.device.type == "cpu":
-                    cpu_layers.route(self.model)
+                self._onednn = self.device.type == "cpu" and _route_cpu(self.model)
         return cpu_linear.onednn() if self._onednn else contextlib.nullcontext()
+
+
+def _route_cpu(model: Any) -> bool:
+    """Give the model the CPU fast path's linears (`cbnb.runner.cpu_linear`) and decoder layers
+    (`cbnb.runner.cpu_layers`); returns whether any linear takes oneDNN."""
+    onednn = cpu_linear.route(model) > 0
+    cpu_layers.route(model)
+    return onednn
 
 
 def _prompt_logprob_rows(entries: list, batch: Any) -> tuple[list[int], list[tuple[str, int, int, int]]]:

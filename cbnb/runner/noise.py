@@ -14,11 +14,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import threading
-import warnings
-from pathlib import Path
+from typing import Any
 
 import torch
+
+from . import cpu_kernels
 
 __all__ = ["gumbel_noise", "row_key"]
 
@@ -75,32 +75,20 @@ def _mix31_(h: torch.Tensor, t: torch.Tensor) -> None:
     h.bitwise_xor_(t)
 
 
-_lock = threading.Lock()
-_c_fn = None
-_c_tried = False
+def _bind(lib: ctypes.CDLL) -> Any:
+    fn = lib.cbnb_noise_uniform
+    fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_int]
+    return fn
 
 
-def _c_uniform():
+_C = cpu_kernels.LazyLibrary("noise.c", _bind, "the C noise pass", "using torch")
+
+
+def _c_uniform() -> Any:
     """The C noise pass (`noise.c`), or None: CPU fast path off (``CBNB_CPU_KERNELS=0``) or no compiler (warns once)."""
-    global _c_fn, _c_tried
-    from . import cpu_kernels
-
-    if not cpu_kernels.enabled():
-        return None
-    if not _c_tried:
-        with _lock:
-            if not _c_tried:
-                try:
-                    fn = cpu_kernels.build_library(Path(__file__).with_name("noise.c")).cbnb_noise_uniform
-                    fn.restype = ctypes.c_int
-                    p, i64 = ctypes.c_void_p, ctypes.c_int64
-                    fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_int]
-                    _c_fn = fn
-                except Exception as e:  # no compiler, a failed build or load: the torch passes serve instead
-                    warnings.warn(f"cbnb: the C noise pass is unavailable ({type(e).__name__}: {e}); using torch",
-                                  RuntimeWarning, stacklevel=3)
-                _c_tried = True
-    return _c_fn
+    return _C.get()
 
 
 def _noise_into(out: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor, ws: dict | None = None) -> torch.Tensor:

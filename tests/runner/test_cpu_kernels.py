@@ -84,8 +84,9 @@ def test_build_failure_warns_once_and_the_engine_uses_the_torch_path(monkeypatch
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("CBNB_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    for name, value in (("_fn", None), ("_tried", False), ("_error", None)):
-        monkeypatch.setattr(cpu_kernels, name, value)  # restored after the test: the real kernel stays loaded
+    fresh = cpu_kernels.LazyLibrary("paged_decode.c", cpu_kernels._bind_paged, "the CPU decode-attention kernel",
+                                    "using the torch attention path")
+    monkeypatch.setattr(cpu_kernels, "_PAGED", fresh)  # restored after the test: the real kernel stays loaded
     with pytest.warns(RuntimeWarning, match="kernel is unavailable"):
         assert not cpu_kernels.available()
     assert "no-such-compiler" in cpu_kernels.build_error()
