@@ -59,7 +59,12 @@ function render({ model, el }) {
     headCols = cols.join(",");
   };
 
+  // A press holds the rows still until it is released: a redraw between mousedown and mouseup would replace the
+  // pressed button, and the browser drops a click whose press and release hit different elements. (At most 1 s:
+  // a release outside the window must not freeze the board.)
+  let pressedAt = 0, deferred = false;
   const draw = () => {
+    if (pressedAt && performance.now() - pressedAt < 1000) { deferred = true; return; }
     const cols = model.get("columns") || [];
     if (headCols !== cols.join(",")) drawHead(cols);
     const ix = Object.fromEntries(cols.map((c, i) => [c, i]));
@@ -141,10 +146,22 @@ function render({ model, el }) {
   });
   wrap.addEventListener("mouseleave", () => { if (hovered) { hovered = null; model.send({ kind: "hover_request", id: null }); } });
   const schedule = cbnbOnFrame(draw);
+  tbody.addEventListener("pointerdown", () => { pressedAt = performance.now(); });
+  const release = () => {  // the click is dispatched before the next frame, so the redraw follows it
+    pressedAt = 0;
+    if (deferred) { deferred = false; schedule(); }
+  };
+  window.addEventListener("pointerup", release, true);
+  window.addEventListener("pointercancel", release, true);
   const names = ["rows", "counts", "hidden", "engine_state", "selected", "columns"];
   for (const n of names) model.on(`change:${n}`, schedule);
   draw();
-  return () => { f.cleanup(); for (const n of names) model.off(`change:${n}`, schedule); };
+  return () => {
+    f.cleanup();
+    for (const n of names) model.off(`change:${n}`, schedule);
+    window.removeEventListener("pointerup", release, true);
+    window.removeEventListener("pointercancel", release, true);
+  };
 }
 
 export default { initialize, render };

@@ -11,7 +11,9 @@ Per layer:
 3. decode rows attend over their own pages: with the CPU kernel, all of them in one call reading the pages in
    place (`cbnb.runner.cpu_kernels`); otherwise in place when a row's keys fit one page, else in one batched call
    over gathered pages (padded with the zero block, masked);
-4. prefill rows attend one by one: "fresh" over the chunk itself (causal), "paged" over their pages.
+4. prefill rows of full-attention layers: with the CPU kernel, all of them in one causal call over their pages;
+   otherwise (and on sliding layers) one by one: "fresh" over the chunk itself (causal), "paged" over their pages,
+   "ring" over the window's previous keys and the chunk.
 
 GQA is handled by `scaled_dot_product_attention(..., enable_gqa=True)`; nothing is repeated. No mask spans the
 whole cache: masks cover each request's own keys only. Without `cbnb_batch` (a plain `model.generate` while the
@@ -84,8 +86,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_pages = batch.store.k[layer]
     v_pages = batch.store.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
-    if gb.dec_lens is not None and q.stride(-1) != 1:
-        q = q.contiguous()  # the kernel reads rows of contiguous head vectors
+    if (gb.dec_lens is not None or gb.pre_counts is not None) and q.stride(-1) != 1:
+        q = q.contiguous()  # the kernels read rows of contiguous head vectors
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     out = torch.empty_like(q)
@@ -112,6 +114,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if gb.dec_lens is not None:
         cpu_kernels.paged_decode(q, k_pages, v_pages, gb.dec_rows, gb.dec_pages, gb.dec_lens, gb.dec_keys,
                                  scaling if scaling is not None else q.shape[-1] ** -0.5, out)
+
+    if gb.pre_counts is not None:  # after the write: the chunks' own K/V are in their pages
+        cpu_kernels.paged_prefill(q, k_pages, v_pages, gb.pre_rows, gb.pre_starts, gb.pre_counts, gb.pre_pages,
+                                  scaling if scaling is not None else q.shape[-1] ** -0.5, out)
 
     for row, page, valid in gb.dec_single:
         # In place: the page's first `valid` slots, viewed [1, Hkv, valid, D]; no mask needed.

@@ -10,9 +10,11 @@ All requests of a step are packed into one sequence of T query tokens (``input_i
   the pages in place; otherwise (the torch path) a row whose keys fit in one page attends to that page in place
   (no copy: a page's slots are contiguous) and the others gather their pages ``[Bd, max_pages]`` (padded with the
   zero read-padding block), masked to each row's length, in one batched attention call;
-- **prefill rows**: "fresh" (no past: attend to the chunk's own K/V, causal), "paged" (full attention with a past:
-  read the request's pages after writing) or "ring" (sliding attention with a past: read the previous
-  ``window - 1`` tokens *before* writing, since the chunk overwrites ring slots they occupy).
+- **prefill rows**: with the CPU kernel, the rows of a full-attention group in one call per layer from their block
+  tables ``[Bp, max_pages]``, first rows, pasts and chunk lengths ``[Bp]`` (causal over the pages, after the write);
+  otherwise (and for sliding groups) one by one: "fresh" (no past: attend to the chunk's own K/V, causal), "paged"
+  (full attention with a past: read the request's pages after writing) or "ring" (sliding attention with a past:
+  read the previous ``window - 1`` tokens *before* writing, since the chunk overwrites ring slots they occupy).
 
 Cost grows with the real KV lengths of the batch, never with the size of the cache.
 """
@@ -62,6 +64,12 @@ class GroupBatch:
     dec_single: list[tuple[int, int, int]] = field(default_factory=list)  # (row, page, valid keys), one page each
     dec_lens: torch.Tensor | None = None  # kernel path: [Bd] keys per row (dec_rows, dec_pages and dec_keys set too)
     prefill: list[PrefillRow] = field(default_factory=list)
+    # kernel path for the prefill rows of a full-attention group: [Bp] first query row, past (tokens) and chunk
+    # length, and [Bp, max_pages] block tables (padded with the read-padding block)
+    pre_rows: torch.Tensor | None = None
+    pre_starts: torch.Tensor | None = None
+    pre_counts: torch.Tensor | None = None
+    pre_pages: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,6 +105,7 @@ def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, de
     plan's `StepWork.kv`: block tables and slots; the cache manager is never read)."""
     P = kv.page_size
     kernel = device.type == "cpu" and getattr(store, "dtype", None) == torch.float32 and cpu_kernels.available()
+    kernel_prefill = kernel and cpu_kernels.prefill_enabled()
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
@@ -108,6 +117,7 @@ def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, de
     w_off: list[list[int]] = [[] for _ in range(n_groups)]
     dec: list[list[tuple[int, list[int], int]]] = [[] for _ in range(n_groups)]
     pre: list[list[PrefillRow]] = [[] for _ in range(n_groups)]
+    kpre: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(n_groups)]  # (row, past, n, pages)
     for s in entries:
         req = s.request
         a = len(ids)
@@ -140,6 +150,8 @@ def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, de
                     valid = min(s.start + 1, window)
                     pages = table
                 dec[g].append((a, list(pages), valid))
+            elif kernel_prefill and window is None:
+                kpre[g].append((a, s.start, n, list(table[: -(-(s.start + n) // P)])))
             elif s.start == 0:
                 mask = None
                 if window is not None and n > window:
@@ -169,6 +181,14 @@ def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, de
             rpb = store.rows_per_block[g]
             gb.write_rows = torch.tensor([b * rpb + o for b, o in zip(w_blk[g], w_off[g])], dtype=torch.long,
                                          device=device)
+        if kpre[g]:
+            d = kpre[g]
+            pages = np.full((len(d), max(len(x[3]) for x in d)), grp.read_padding_block, dtype=np.int64)
+            for r, x in enumerate(d):
+                pages[r, :len(x[3])] = x[3]
+            meta = np.array([x[:3] for x in d], dtype=np.int64).T.copy()  # [3, Bp]: rows, pasts, lengths
+            gb.pre_rows, gb.pre_starts, gb.pre_counts = (torch.from_numpy(m) for m in meta)
+            gb.pre_pages = torch.from_numpy(pages)
         if dec[g] and kernel:
             d = dec[g]
             width = max(len(pg) for _, pg, _ in d)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["available", "enabled", "paged_decode", "build_error", "build_library", "LazyLibrary"]
+__all__ = ["available", "enabled", "prefill_enabled", "paged_decode", "paged_prefill", "build_error", "build_library", "LazyLibrary"]
 
 _SRC = Path(__file__).with_name("paged_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -37,11 +37,19 @@ _LIBS = ["-lm"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
              ctypes.c_float, _PTR, _I64, _I64, _I64, ctypes.c_int]
+_PREFILL_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                     _I64, _I64, ctypes.c_float, _PTR, _I64, _I64, ctypes.c_int]
 
 
 def enabled() -> bool:
     """False when ``CBNB_CPU_KERNELS=0`` (read at every call, so tests can switch it per engine)."""
     return os.environ.get("CBNB_CPU_KERNELS", "1") not in ("0", "false", "off", "no")
+
+
+def prefill_enabled() -> bool:
+    """False when ``CBNB_CPU_PREFILL=0``: prefill rows take the torch attention path while decode rows keep the
+    kernel (read at every step batch; the bench variant ``cpu_prefill=off|on``)."""
+    return os.environ.get("CBNB_CPU_PREFILL", "1") not in ("0", "false", "off", "no")
 
 
 def _cpu_flags() -> str:
@@ -121,14 +129,21 @@ class LazyLibrary:
         return self.bound
 
 
+class _Paged:
+    """The kernel library's two entry points, with their ctypes signatures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.decode, self.prefill = lib.cbnb_paged_decode_f32, lib.cbnb_paged_prefill_f32
+        for fn, args in ((self.decode, _ARGTYPES), (self.prefill, _PREFILL_ARGTYPES)):
+            fn.restype = ctypes.c_int
+            fn.argtypes = args
+
+
 def _bind_paged(lib: ctypes.CDLL) -> Any:
-    fn = lib.cbnb_paged_decode_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = _ARGTYPES
-    return fn
+    return _Paged(lib)
 
 
-_PAGED = LazyLibrary(_SRC.name, _bind_paged, "the CPU decode-attention kernel", "using the torch attention path")
+_PAGED = LazyLibrary(_SRC.name, _bind_paged, "the CPU paged-attention kernel", "using the torch attention path")
 
 
 def available() -> bool:
@@ -158,23 +173,64 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     Raises:
         RuntimeError: the kernel is unavailable, or it rejected its arguments.
     """
-    fn = _PAGED.bound if _PAGED.bound is not None else _PAGED.get()
-    if fn is None:
-        raise RuntimeError(f"the CPU decode-attention kernel is unavailable: {_PAGED.error}")
-    for t in (q, k_pages, v_pages, out):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError("paged_decode needs float32 CPU tensors with a contiguous last dimension")
-    if v_pages.stride() != k_pages.stride() or v_pages.shape != k_pages.shape:
-        raise ValueError("paged_decode needs K and V pages of the same shape and strides")
-    for t in (rows, tables, lens):
-        if t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError("paged_decode needs contiguous int64 rows, tables and lens")
+    lib = _checked("paged_decode", q, k_pages, v_pages, out, (rows, tables, lens))
     T, H, D = q.shape
     _, page, hkv, _ = k_pages.shape
     B, W = tables.shape
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
-             k_pages.stride(1), k_pages.stride(2), page, rows.data_ptr(), tables.data_ptr(), W, lens.data_ptr(), B, H,
-             hkv, D, float(scale), out.data_ptr(), out.stride(0), out.stride(1), int(max_len),
-             torch.get_num_threads())
+    rc = lib.decode(q.data_ptr(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
+                    k_pages.stride(1), k_pages.stride(2), page, rows.data_ptr(), tables.data_ptr(), W, lens.data_ptr(),
+                    B, H, hkv, D, float(scale), out.data_ptr(), out.stride(0), out.stride(1), int(max_len),
+                    torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged_decode rejected its arguments (code {rc}: H={H}, Hkv={hkv}, max_len={max_len})")
+
+
+def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, rows: torch.Tensor,
+                  starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, scale: float,
+                  out: torch.Tensor) -> None:
+    """Causal attention of multi-token rows (prompt chunks) over their pages, written into `out` at their rows.
+
+    Row b's queries are `q` rows ``rows[b] .. rows[b] + counts[b] - 1`` at positions ``starts[b] ..``; query i reads
+    the row's keys ``0 .. starts[b] + i`` from its pages, which must already hold the chunk's own K/V (the runner
+    writes them first). No sliding window (windowed layers keep the torch path).
+
+    Args:
+        q: ``[T, H, D]`` float32 CPU queries (last dim contiguous).
+        k_pages, v_pages: the layer's pages ``[num_blocks, page_size, Hkv, D]`` float32 (last dim contiguous).
+        rows, starts, counts: ``[B]`` int64: first query row, its position (the row's past, in tokens) and the
+            chunk's length (>= 1).
+        tables: ``[B, W]`` int64 block ids of each row, ``starts + counts <= W * page_size`` (padded with any
+            valid block).
+        scale: softmax scale (usually head_dim ** -0.5).
+        out: ``[T, H, D]`` float32, written at the rows' queries only.
+
+    Raises:
+        RuntimeError: the kernel is unavailable, or it rejected its arguments (a count < 1, a table too short).
+        ValueError: tensors of the wrong dtype, device or layout.
+    """
+    lib = _checked("paged_prefill", q, k_pages, v_pages, out, (rows, starts, counts, tables))
+    T, H, D = q.shape
+    _, page, hkv, _ = k_pages.shape
+    B, W = tables.shape
+    rc = lib.prefill(q.data_ptr(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(),
+                     k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), page, rows.data_ptr(),
+                     starts.data_ptr(), counts.data_ptr(), tables.data_ptr(), W, B, H, hkv, D, float(scale),
+                     out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_prefill rejected its arguments (code {rc}: H={H}, Hkv={hkv}, B={B}, W={W})")
+
+
+def _checked(name: str, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, out: torch.Tensor,
+             index: tuple[torch.Tensor, ...]) -> _Paged:
+    lib = _PAGED.bound if _PAGED.bound is not None else _PAGED.get()
+    if lib is None:
+        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {_PAGED.error}")
+    for t in (q, k_pages, v_pages, out):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"{name} needs float32 CPU tensors with a contiguous last dimension")
+    if v_pages.stride() != k_pages.stride() or v_pages.shape != k_pages.shape:
+        raise ValueError(f"{name} needs K and V pages of the same shape and strides")
+    for t in index:
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} needs contiguous int64 index tensors")
+    return lib

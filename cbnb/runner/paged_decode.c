@@ -121,3 +121,263 @@ int cbnb_paged_decode_f32(const float *q, int64_t q_row, int64_t q_head, const f
     }
     return failed ? 2 : 0;
 }
+
+/* ------------------------------------------------------------------------------------------- prefill (causal)
+ * Multi-token rows (a prompt chunk, with or without a past) attend causally over their pages, after the chunk's own
+ * K/V were written there: query i of row b sits at position starts[b] + i and reads keys 0..starts[b] + i. One task
+ * is (row, KV head, block of QB queries): its G x QB query heads stream the row's keys in blocks of up to KB keys
+ * that never cross a page, with an online softmax (running max and sum per query head, the accumulator rescaled when
+ * the max grows; the formulation of FlashAttention, Dao et al. 2022, section 3.1). Per block the keys are transposed
+ * into a KB-wide scratch so QK^T runs over KB keys per vector FMA; PV runs over D per FMA. Causality skips the key
+ * blocks a whole task never reads and bounds each query's keys in the last ones. */
+#define QB 16
+#define KB 64
+
+typedef float vkb __attribute__((vector_size(KB * 4)));
+
+static inline __attribute__((always_inline)) void ptask(const float *qb, int64_t q_row, int64_t q_head,
+        const float *k, const float *v, int64_t blk, int64_t tok, int64_t page, const int64_t *tb, int64_t first,
+        int64_t nq, int64_t G, const int64_t D, float scale, float *kt, float *acc, float *mx, float *sum, float *ob,
+        int64_t o_row, int64_t o_head) {
+    /* first: position of the task's first query; its last query reads keys [0, first + nq). */
+    const int64_t R = nq * G, n_keys = first + nq;
+    for (int64_t r = 0; r < R; r++) {
+        mx[r] = -INFINITY;
+        sum[r] = 0.f;
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < n_keys;) {
+        const int64_t in_page = j0 % page;
+        int64_t kb = page - in_page;
+        kb = kb < KB ? kb : KB;
+        kb = kb < n_keys - j0 ? kb : n_keys - j0;
+        const int64_t off = tb[j0 / page] * blk + in_page * tok;
+        const float *kp = k + off, *vp = v + off;
+        for (int64_t d = 0; d < D; d++) {
+            float *row = kt + d * KB;
+            for (int64_t t = 0; t < kb; t++) row[t] = kp[t * tok + d];
+            for (int64_t t = kb; t < KB; t++) row[t] = 0.f;
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            int64_t valid = first + i + 1 - j0;  /* keys of this block the query may read */
+            if (valid <= 0) continue;
+            valid = valid < kb ? valid : kb;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qv = qb + i * q_row + g * q_head;
+                const int64_t r = i * G + g;
+                vkb s = {0};
+                for (int64_t d = 0; d < D; d++) {
+                    vkb kd;
+                    memcpy(&kd, kt + d * KB, sizeof kd);
+                    s += qv[d] * kd;
+                }
+                float sc[KB];
+                memcpy(sc, &s, sizeof sc);
+                float bm = -INFINITY;
+                for (int64_t t = 0; t < valid; t++) {
+                    sc[t] *= scale;
+                    bm = sc[t] > bm ? sc[t] : bm;
+                }
+                const float m_new = bm > mx[r] ? bm : mx[r];
+                float *a = acc + r * D;
+                if (m_new > mx[r] && sum[r] > 0.f) {  /* the max grew: rescale what was accumulated */
+                    const float corr = exp_nonpos(mx[r] - m_new);
+                    sum[r] *= corr;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] *= corr;
+                }
+                mx[r] = m_new;
+                float bs = 0.f;
+#pragma omp simd reduction(+ : bs)
+                for (int64_t t = 0; t < valid; t++) {
+                    const float e = exp_nonpos(sc[t] - m_new);
+                    sc[t] = e;
+                    bs += e;
+                }
+                sum[r] += bs;
+                for (int64_t t = 0; t < valid; t++) {
+                    const float p = sc[t], *vt = vp + t * tok;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vt[d];
+                }
+            }
+        }
+        j0 += kb;
+    }
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float w = 1.f / sum[i * G + g], *a = acc + (i * G + g) * D;
+            float *o = ob + i * o_row + g * o_head;
+            for (int64_t d = 0; d < D; d++) o[d] = a[d] * w;
+        }
+}
+
+/* The same task for D = 64 with its accumulators in registers: the G query heads of a position go through QK^T
+ * and PV together in groups of up to 4, so each transposed key column and each value row is loaded once per group
+ * (4 heads x 64 lanes = 16 vector registers of 16 floats), and a head's output stays in registers across a block.
+ * (Vectors of one register's width: GCC spills wider generic vectors.) */
+typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register (two AVX2 ones elsewhere) */
+
+static inline __attribute__((always_inline)) v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline __attribute__((always_inline)) void heads64(const float *qb, int64_t q_head, const float *kt,
+        const float *vp, int64_t tok, int64_t valid, float scale, int64_t r0, const int nh, float *acc, float *mx,
+        float *sum) {
+    v16 s[4][4];
+    for (int c = 0; c < nh; c++)
+        for (int j = 0; j < 4; j++) s[c][j] = (v16){0};
+    for (int64_t d = 0; d < 64; d++) {
+        const float *kd = kt + d * KB;
+        const v16 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
+        for (int c = 0; c < nh; c++) {
+            const float qd = qb[c * q_head + d];
+            s[c][0] += qd * k0;
+            s[c][1] += qd * k1;
+            s[c][2] += qd * k2;
+            s[c][3] += qd * k3;
+        }
+    }
+    float p[4][KB];
+    v16 o[4][4];
+    for (int c = 0; c < nh; c++) {
+        const int64_t r = r0 + c;
+        memcpy(p[c], s[c], sizeof p[c]);
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (int64_t t = 0; t < valid; t++) {
+            p[c][t] *= scale;
+            bm = p[c][t] > bm ? p[c][t] : bm;
+        }
+        const float m_new = bm > mx[r] ? bm : mx[r];
+        for (int j = 0; j < 4; j++) o[c][j] = load16(acc + r * 64 + 16 * j);
+        if (m_new > mx[r] && sum[r] > 0.f) {
+            const float corr = exp_nonpos(mx[r] - m_new);
+            sum[r] *= corr;
+            for (int j = 0; j < 4; j++) o[c][j] *= corr;
+        }
+        mx[r] = m_new;
+        float bs = 0.f;
+#pragma omp simd reduction(+ : bs)
+        for (int64_t t = 0; t < valid; t++) {
+            const float e = exp_nonpos(p[c][t] - m_new);
+            p[c][t] = e;
+            bs += e;
+        }
+        sum[r] += bs;
+    }
+    for (int64_t t = 0; t < valid; t++) {
+        const float *vt = vp + t * tok;
+        const v16 x0 = load16(vt), x1 = load16(vt + 16), x2 = load16(vt + 32), x3 = load16(vt + 48);
+        for (int c = 0; c < nh; c++) {
+            const float pc = p[c][t];
+            o[c][0] += pc * x0;
+            o[c][1] += pc * x1;
+            o[c][2] += pc * x2;
+            o[c][3] += pc * x3;
+        }
+    }
+    for (int c = 0; c < nh; c++) memcpy(acc + (r0 + c) * 64, o[c], sizeof o[c]);
+}
+
+static void ptask64(const float *qb, int64_t q_row, int64_t q_head, const float *k, const float *v, int64_t blk,
+                    int64_t tok, int64_t page, const int64_t *tb, int64_t first, int64_t nq, int64_t G, float scale,
+                    float *kt, float *acc, float *mx, float *sum, float *ob, int64_t o_row, int64_t o_head) {
+    const int64_t R = nq * G, n_keys = first + nq;
+    for (int64_t r = 0; r < R; r++) {
+        mx[r] = -INFINITY;
+        sum[r] = 0.f;
+        memset(acc + r * 64, 0, 64 * sizeof(float));
+    }
+    for (int64_t j0 = 0; j0 < n_keys;) {
+        const int64_t in_page = j0 % page;
+        int64_t kb = page - in_page;
+        kb = kb < KB ? kb : KB;
+        kb = kb < n_keys - j0 ? kb : n_keys - j0;
+        const int64_t off = tb[j0 / page] * blk + in_page * tok;
+        const float *kp = k + off, *vp = v + off;
+        for (int64_t d = 0; d < 64; d++) {
+            float *row = kt + d * KB;
+            for (int64_t t = 0; t < kb; t++) row[t] = kp[t * tok + d];
+            for (int64_t t = kb; t < KB; t++) row[t] = 0.f;
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            int64_t valid = first + i + 1 - j0;
+            if (valid <= 0) continue;
+            valid = valid < kb ? valid : kb;
+            const float *qi = qb + i * q_row;
+            for (int64_t g = 0; g < G; g += 4) {
+                const int64_t nh = G - g < 4 ? G - g : 4;
+                const float *qg = qi + g * q_head;
+                const int64_t r0 = i * G + g;
+                switch (nh) {  /* a constant head count per call: the loops over heads unroll into registers */
+                    case 4: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 4, acc, mx, sum); break;
+                    case 3: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 3, acc, mx, sum); break;
+                    case 2: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 2, acc, mx, sum); break;
+                    default: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 1, acc, mx, sum); break;
+                }
+            }
+        }
+        j0 += kb;
+    }
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float w = 1.f / sum[i * G + g], *a = acc + (i * G + g) * 64;
+            float *o = ob + i * o_row + g * o_head;
+            for (int64_t d = 0; d < 64; d++) o[d] = a[d] * w;
+        }
+}
+
+int cbnb_paged_prefill_f32(const float *q, int64_t q_row, int64_t q_head, const float *k, const float *v, int64_t blk,
+                           int64_t tok, int64_t head, int64_t page, const int64_t *rows, const int64_t *starts,
+                           const int64_t *counts, const int64_t *tables, int64_t W, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t D, float scale, float *out, int64_t o_row, int64_t o_head, int nthreads) {
+    if (Hkv <= 0 || H % Hkv != 0 || page <= 0 || D <= 0) return 1;
+    const int64_t G = H / Hkv;
+    /* tasks: (row, KV head, query block); the prefix sums give each row's first task */
+    int64_t *first_task = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (first_task == NULL) return 3;
+    first_task[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (counts[b] <= 0 || starts[b] < 0 || starts[b] + counts[b] > W * page) {
+            free(first_task);
+            return 2;
+        }
+        first_task[b + 1] = first_task[b] + Hkv * ((counts[b] + QB - 1) / QB);
+    }
+    const int64_t n_tasks = first_task[B];
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *kt = (float *)malloc(sizeof(float) * (size_t)(D * KB + 2 * QB * G + QB * G * D));
+        if (kt == NULL) failed = 1;
+        float *mx = kt + D * KB, *sum = mx + QB * G, *acc = sum + QB * G;
+        int64_t b = 0;
+        /* later query blocks read more keys: hand them out first, one at a time */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = n_tasks - 1; task >= 0; task--) {
+            if (kt == NULL) continue;
+            while (b > 0 && task < first_task[b]) b--;
+            while (task >= first_task[b + 1]) b++;
+            const int64_t local = task - first_task[b], blocks = (counts[b] + QB - 1) / QB;
+            const int64_t kh = local / blocks, qi = (local % blocks) * QB;
+            const int64_t nq = counts[b] - qi < QB ? counts[b] - qi : QB;
+            const int64_t row = rows[b] + qi;
+            const float *qb = q + row * q_row + kh * G * q_head;
+            float *ob = out + row * o_row + kh * G * o_head;
+            const int64_t *tb = tables + b * W;
+            if (D == 64)
+                ptask64(qb, q_row, q_head, k + kh * head, v + kh * head, blk, tok, page, tb, starts[b] + qi, nq, G,
+                        scale, kt, acc, mx, sum, ob, o_row, o_head);
+            else
+                ptask(qb, q_row, q_head, k + kh * head, v + kh * head, blk, tok, page, tb, starts[b] + qi, nq, G, D,
+                      scale, kt, acc, mx, sum, ob, o_row, o_head);
+        }
+        free(kt);
+    }
+    free(first_task);
+    return failed ? 3 : 0;
+}

@@ -394,11 +394,15 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
                 h = _submit(ctx, g, ids, max_new, client, j)
                 handles.append(h)
                 row.append(h)
-    except BaseException:
+    except BaseException as e:
         for h in handles:  # a batch is all or nothing: the requests already queued are cancelled
             h.cancel()
             ctx.live.pop(h.request_id, None)
         slot.release()
+        if isinstance(e, ApiError) and handles:
+            # ... and have left the engine's queue when the error is answered (a cancel takes effect at the loop's
+            # next turn), so a client that retries at once with a smaller batch finds their room free.
+            await ctx.run_blocking(_settle, handles, _SETTLE_S)
         raise
     run = Generation([h for row in grid for h in row], g, slot, model, ctx.live, lambda: ctx.closing, ctx.token_text)
     if g.stream:
@@ -410,6 +414,19 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     if run.error is not None:
         raise run.error
     return JSONResponse(run.response())
+
+
+_SETTLE_S = 5.0  # bound on waiting for a refused batch's cancelled choices (about one engine step)
+
+
+def _settle(handles: list[Any], timeout: float) -> None:
+    """Wait until the cancelled `handles` have ended (at most `timeout` seconds in all; on a worker thread)."""
+    deadline = time.monotonic() + timeout
+    for h in handles:
+        try:
+            h.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return
 
 
 def _check_engine(ctx: ServerContext) -> None:
