@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["available", "enabled", "prefill_enabled", "paged_decode", "paged_prefill", "build_error", "build_library", "LazyLibrary"]
+__all__ = ["available", "enabled", "prefill_enabled", "paged_decode", "paged_prefill", "build_error", "build_library",
+           "LazyLibrary"]
 
 _SRC = Path(__file__).with_name("paged_decode.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]

@@ -38,6 +38,10 @@ METHODS = {
                                "cold (each layer's own pages, weights streamed between calls), 16 rows x 512 keys "
                                "and 1 row x 64 keys in pages of 16: the bytes the cost model counts per s",
     "decode_kernel_call_s": "same two points: the fixed cost of one call",
+    "prefill_kernel_flops": "the CPU runner's compiled prefill kernel (cbnb.runner.cpu_kernels.paged_prefill, "
+                            "float32), fresh chunks of 16-256 rows and chunks of 16-128 rows over 128-512 past keys: causal "
+                            "FLOPs per second of a least-squares fit t = call + flops / rate",
+    "prefill_kernel_call_s": "same fit: the fixed seconds of one call",
     "decode_kernel_shared_bandwidth": "the same kernel, 16 rows x 512 keys whose first 448 are one shared prefix: "
                                       "the rate over the prefix keys after the first row's",
     "cost_factors": "cbnb.Engine on a random-weight model of the shape (prefill chunks with and without a past, "
@@ -73,6 +77,7 @@ def measure(s: ModelShape, *, threads: int | None, quick: bool, log: Callable[..
         out["gather"] = _gathered_decode(s, dt, reps, log)
         out["past_attention"] = _past_attention(s, dt, reps, log)
         out["decode_kernel"] = _kernel_decode(s, dt, reps, log)
+        out["prefill_kernel"] = _kernel_prefill(s, dt, reps, log)
         out.update(_fixed_costs(s, quick, log))
         return out
     finally:
@@ -380,6 +385,44 @@ def _past_attention(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...
     log(f"prefill over a past {rate / 1e9:.1f} GFLOP/s, {key_s * 1e9:.0f} ns per key, {call * 1e6:.0f} us per call "
         f"(from {', '.join(f'{n}x{p}: {t * 1e6:.0f} us' for (n, p), t in zip(_PAST_POINTS, ys))})")
     return {"flops": rate, "key_s": key_s, "call_s": call}
+
+
+#: (chunk, past) points of the prefill kernel's fit: fresh chunks and chunks with a past, as cpu-32's steps hold.
+_PREFILL_POINTS = ((16, 0), (64, 0), (256, 0), (64, 256), (16, 512), (128, 128))
+
+
+def _kernel_prefill(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float] | None:
+    """The CPU runner's compiled prefill kernel (`cbnb.runner.cpu_kernels.paged_prefill`, what the runner uses for
+    the prefill chunks of full-attention layers in float32): ``t = call + flops / rate`` fitted by least squares
+    (relative error) over `_PREFILL_POINTS`, flops = ``4 H d`` per causal query-key pair; returns {"flops",
+    "call_s"}, or None when the runner would not use the kernel."""
+    import numpy as np
+
+    from ..runner import cpu_kernels
+
+    if dt != torch.float32 or not (cpu_kernels.enabled() and cpu_kernels.prefill_enabled()
+                                   and cpu_kernels.available()):
+        return None
+    H, Hkv, d, page = s.num_heads, s.num_kv_heads, s.head_dim, 64
+    rows, ys = [], []
+    for n, past in _PREFILL_POINTS:
+        width = -(-(past + n) // page)
+        k_pages = torch.randn(width + 2, page, Hkv, d, dtype=dt)
+        v_pages = torch.randn(width + 2, page, Hkv, d, dtype=dt)
+        table = torch.randperm(width + 2)[:width].unsqueeze(0)
+        q, out = torch.randn(n, H, d, dtype=dt), torch.empty(n, H, d, dtype=dt)
+        meta = [torch.tensor([x], dtype=torch.long) for x in (0, past, n)]
+        ys.append(_median_time(lambda: cpu_kernels.paged_prefill(q, k_pages, v_pages, *meta, table, d ** -0.5, out),
+                               reps))
+        rows.append([1.0, 4.0 * H * d * (n * past + n * (n + 1) / 2)])
+    a, y = np.array(rows), np.array(ys)
+    coef = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]
+    call, inv = (max(0.0, float(c)) for c in coef)
+    best = max(f / t for (_, f), t in zip(rows, ys))
+    rate = min(1.0 / inv, 16 * best) if inv > 0 else 16 * best
+    log(f"prefill kernel {rate / 1e9:.1f} GFLOP/s, {call * 1e6:.0f} us per call "
+        f"(from {', '.join(f'{n}x{p}: {t * 1e6:.0f} us' for (n, p), t in zip(_PREFILL_POINTS, ys))})")
+    return {"flops": rate, "call_s": call}
 
 
 def _tiny_model(s: ModelShape, layers: int) -> Any:

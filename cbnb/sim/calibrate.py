@@ -109,6 +109,7 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
                       "reliable figures (retry when it is idle, or with threads=1)", RuntimeWarning, stacklevel=2)
     mem = _available_memory()
     past, kernel = figures.get("past_attention") or {}, figures.get("decode_kernel") or {}
+    pre = figures.get("prefill_kernel") or {}
     profile = HardwareProfile(
         name=name, kind="cpu", runner="cpu", memory_bytes=mem, host_memory_bytes=mem,
         peak_flops={s.dtype: max(r for _, r in figures["gemm"])},
@@ -122,6 +123,7 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         past_attention_call_s=past.get("call_s", 0.0),
         decode_kernel_bandwidth=kernel.get("bandwidth"), decode_kernel_call_s=kernel.get("call_s", 0.0),
         decode_kernel_shared_bandwidth=kernel.get("shared_bandwidth"),
+        prefill_kernel_flops=pre.get("flops"), prefill_kernel_call_s=pre.get("call_s", 0.0),
         threads=int(figures.get("threads") or 1),
         sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "

@@ -40,9 +40,11 @@ Operator groups, per decoder layer:
   (the decode rows whose keys span several pages, padded to the widest) runs at the measured `gather_bandwidth`
   when the profile has one, and a chunk with a past, when the profile measured that path (`calibrate`), costs
   ``past_attention_call_s + keys * past_attention_key_s + FLOPs / past_attention_flops`` (its page gather and
-  mask grow with the keys, not only with the FLOPs). Calls: CPU runner, one per prefill chunk, one per decode row
-  whose keys fit one page, one batched call for the other decode rows; CUDA runner, a KV-store kernel, a prefill
-  kernel and a decode + reduce kernel pair per layer.
+  mask grow with the keys, not only with the FLOPs); with the compiled prefill kernel (`prefill_kernel_flops`,
+  float32, full-attention layers) a layer's chunks cost ``prefill_kernel_call_s + FLOPs / prefill_kernel_flops``,
+  causal FLOPs only and one call. Calls: CPU runner, one per prefill chunk (one per layer with the kernel), one per
+  decode row whose keys fit one page, one batched call for the other decode rows; CUDA runner, a KV-store kernel, a
+  prefill kernel and a decode + reduce kernel pair per layer.
 - **elementwise** (RMSNorms, RoPE, residual adds, activation): bytes ``a T ((7 norms + 6) h + (11 + 7 qk_norm)(H +
   Hkv) d + 5 I)``, the reads and writes of transformers' eager decoder layer; rate: the elementwise bandwidth (on a
   CPU, `calibrate()` times these very ops, so transcendental ones such as SiLU and rsqrt count at their real cost).
@@ -301,6 +303,9 @@ class CostModel:
         per_key = 4 * s.num_heads * s.head_dim
         cpu = p.runner == "cpu"
         kernel = cpu and p.decode_kernel_bandwidth is not None and self.dtype == "float32"
+        # the compiled prefill kernel: every chunk of a full-attention layer in one causal call
+        pre_kernel = cpu and window is None and p.prefill_kernel_flops is not None and self.dtype == "float32"
+        pre_flops = 0.0
         k_bytes = 0.0
         page = self.page
         t = flops = nbytes = 0.0
@@ -326,6 +331,12 @@ class CostModel:
                 dec_bytes += row_bytes
                 continue
             has_prefill = True
+            if pre_kernel:
+                f = per_key * sum_keys(r.start, r.tokens, None)
+                pre_flops += f
+                flops += f
+                nbytes += row_bytes
+                continue
             masked = r.start > 0 or (window is not None and r.tokens > window)
             if cpu and masked:
                 f = per_key * r.tokens * kv  # the masked rectangle
@@ -340,6 +351,9 @@ class CostModel:
                 t += p.past_attention_call_s + kv * p.past_attention_key_s + f / p.past_attention_flops
                 continue
             t += self._roofline(f, row_bytes, p.attention_rate(self.dtype, r.tokens))
+        if pre_flops:
+            calls += 1
+            t += p.prefill_kernel_call_s + pre_flops / p.prefill_kernel_flops
         t_dec = 0.0  # decode rows (the compiled kernel, or the per-row / batched torch paths)
         if dec_flops or dec_bytes:
             t_dec += self._roofline(dec_flops, dec_bytes, p.attention_rate(self.dtype, 1))

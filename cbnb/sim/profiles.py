@@ -92,6 +92,12 @@ class HardwareProfile:
             the pages in place; None: the kernel is not modelled (the runner's torch path: per-row calls and the
             page gather).
         decode_kernel_call_s: fixed seconds of one call of that kernel (one per layer) beyond its bytes.
+        prefill_kernel_flops: FLOP/s (causal: ``4 H d`` per query-key pair read) of the CPU runner's compiled
+            prefill kernel (`cbnb.runner.cpu_kernels.paged_prefill`, float32 only), which computes every prefill chunk
+            of a full-attention layer in one call over the pages; a layer's chunks cost ``prefill_kernel_call_s +
+            FLOPs / prefill_kernel_flops``. None: not modelled (the per-chunk torch path: `attention_flops` and the
+            `past_attention_*` figures).
+        prefill_kernel_call_s: fixed seconds of one call of that kernel (one per layer with prefill chunks).
         decode_kernel_shared_bandwidth: the same kernel's rate over keys in blocks an earlier row of the step read
             already (a shared prefix, then in the CPU's caches: `cbnb.core.plan.StepWork.shared_tokens`); None: as
             `decode_kernel_bandwidth`.
@@ -142,6 +148,8 @@ class HardwareProfile:
     decode_kernel_bandwidth: float | None = None
     decode_kernel_call_s: float = 0.0
     decode_kernel_shared_bandwidth: float | None = None
+    prefill_kernel_flops: float | None = None
+    prefill_kernel_call_s: float = 0.0
     threads: int | None = None
     cost_factors: Mapping[str, float] | None = None
     reserved_bytes: int = 0

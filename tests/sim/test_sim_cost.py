@@ -192,6 +192,24 @@ def test_profile_validation_names_the_field():
         CPU.peak("bfloat16")
 
 
+def test_prefill_kernel_prices_a_layers_chunks_as_one_causal_call():
+    # With a measured prefill kernel rate (float32, full attention), every prefill chunk of a layer is one call of
+    # call_s + causal FLOPs / rate: a fresh chunk of 4 (keys 1+2+3+4 = 10) and a chunk of 3 over a past of 9 (keys
+    # 10+11+12 = 33): FLOPs 4*2*4*(10 + 33) = 1376 per layer, no masked rectangle and no page gather.
+    prof = CPU.replace(prefill_kernel_flops=1e8, prefill_kernel_call_s=5e-6)
+    c = CostModel(TOY, prof, CFG).step(StepLoad.of([(0, 4, True), (9, 3, True)]))
+    assert c.parts["attention"] == pytest.approx(2 * (5e-6 + 1376 / 1e8))
+    assert c.launch_s == pytest.approx(2 * 1e-5 + 2 * 1 * 2e-6 + 8e-6)  # one call per layer, not one per chunk
+    torch_path = CostModel(TOY, CPU, CFG).step(StepLoad.of([(0, 4, True), (9, 3, True)]))
+    assert torch_path.launch_s == pytest.approx(2 * 1e-5 + 2 * 2 * 2e-6 + 8e-6)
+    # bfloat16: the runner keeps the torch path, and so does the price.
+    bf = dataclasses.replace(TOY, dtype="bfloat16")
+    prof_bf = prof.replace(peak_flops={"bfloat16": 1e9})
+    plain = CostModel(bf, prof_bf.replace(prefill_kernel_flops=None), CFG).step(StepLoad.of([(0, 4, True)]))
+    assert CostModel(bf, prof_bf, CFG).step(StepLoad.of([(0, 4, True)])).parts["attention"] == \
+        plain.parts["attention"]
+
+
 def test_decode_kernel_call_cost_and_thread_imbalance():
     # TOY has 1 KV head: a lone decode row is one work item, so on 2 threads one thread does it all and the call
     # takes 2x its bytes' time at the pooled rate: per layer 2 * (10*32 + 96) = 832 counted bytes. Plus the call.
