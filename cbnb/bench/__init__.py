@@ -17,6 +17,7 @@ here, never from a timed test. Examples::
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants onednn_linear=off,onednn_linear=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants packed_linear=off,packed_linear=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_layers=off,cpu_layers=on --repeat 5
+    python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_prefill=off,cpu_prefill=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants sampled=off,sampled=on --repeat 3
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants json_schema=off,json_schema=on --repeat 3
     python -m cbnb.bench --workload nanovllm-256 --model shape:qwen3-0.6b --peers cbnb,hf-cb

@@ -3,8 +3,8 @@
 Runs one workload through cbnb and profiles, in the engine thread, every step: the per-op table of the first
 prefill-only step (on cpu-32 a full 512-token chunk) and of the first step where every request decodes, and for the
 whole run the share of each category (GEMM, attention, elementwise, KV writes, other ops) plus what no op accounts
-for (the compiled decode-attention kernel and the C layer ops, timed apart, and Python between ops). Times are the profiler's (wall
-clock inside ops); on a shared machine compare shares and op counts, not seconds. ``--threads 1`` gives the most
+for (the compiled attention kernels and the C layer ops, timed apart, and Python between ops). Times are the profiler's
+(wall clock inside ops); on a shared machine compare shares and op counts, not seconds. ``--threads 1`` gives the most
 repeatable picture. Example::
 
     python -m cbnb.bench.profile --workload cpu-32 --threads 1
@@ -56,10 +56,10 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     eng = Engine(model, tokenizer=tok, config=cfg)
     totals: dict[str, list] = {}
     picked: dict[str, Any] = {}
-    acc = {"wall": 0.0, "kernel": 0.0, "layer_ops": 0.0, "steps": 0}
+    acc = {"wall": 0.0, "kernel": 0.0, "prefill_kernel": 0.0, "layer_ops": 0.0, "steps": 0}
     # The C calls are invisible to the profiler: time them apart (module attributes, looked up at each call).
-    patched = [(cpu_kernels, "paged_decode", "kernel")] + [(layer_ops, n, "layer_ops") for n in layer_ops.__all__
-                                                           if n != "available"]
+    patched = [(cpu_kernels, "paged_decode", "kernel"), (cpu_kernels, "paged_prefill", "prefill_kernel")] + [
+        (layer_ops, n, "layer_ops") for n in layer_ops.__all__ if n != "available"]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 
     def timed(real, slot):
@@ -106,7 +106,7 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
             eng.generate([wl.prompts[0][:8]], max_new_tokens=2, ignore_eos=True)  # warm-up, profiled apart
             totals.clear()
             picked.clear()  # the tables show the workload's own steps, not the warm-up's
-            acc.update(wall=0.0, kernel=0.0, layer_ops=0.0, steps=0)
+            acc.update(wall=0.0, kernel=0.0, prefill_kernel=0.0, layer_ops=0.0, steps=0)
             handles = [eng.submit(p, max_new_tokens=n, ignore_eos=True)
                        for p, n in zip(wl.prompts, wl.max_new_tokens)]
             for h in handles:
@@ -119,8 +119,10 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     for name, (t, _) in totals.items():
         cats[category(name)] = cats.get(category(name), 0.0) + t
     cats["decode kernel (C)"] = acc["kernel"]
+    cats["prefill kernel (C)"] = acc["prefill_kernel"]
     cats["layer ops (C)"] = acc["layer_ops"]
-    cats["python / between ops"] = max(0.0, acc["wall"] - ops - acc["kernel"] - acc["layer_ops"])
+    cats["python / between ops"] = max(0.0, acc["wall"] - ops - acc["kernel"] - acc["prefill_kernel"]
+                                       - acc["layer_ops"])
     return {"steps": acc["steps"], "wall_s": acc["wall"], "categories": cats, "picked": picked,
             "threads": torch.get_num_threads(), "kernel": cpu_kernels.available()}
 

@@ -1,4 +1,5 @@
-/* cbnb: paged decode attention on CPU, float32 (built on first use by cbnb/runner/cpu_kernels.py).
+/* cbnb: paged attention on CPU, float32 (built on first use by cbnb/runner/cpu_kernels.py): decode rows below,
+ * prefill chunks (causal) after them.
  *
  * One query token per decode row; its keys and values are read in place from the row's pages (no gather copy), and
  * all rows of a layer are computed in one call: one OpenMP parallel region over (row, KV head) instead of one
@@ -125,97 +126,14 @@ int cbnb_paged_decode_f32(const float *q, int64_t q_row, int64_t q_head, const f
 /* ------------------------------------------------------------------------------------------- prefill (causal)
  * Multi-token rows (a prompt chunk, with or without a past) attend causally over their pages, after the chunk's own
  * K/V were written there: query i of row b sits at position starts[b] + i and reads keys 0..starts[b] + i. One task
- * is (row, KV head, block of QB queries): its G x QB query heads stream the row's keys in blocks of up to KB keys
- * that never cross a page, with an online softmax (running max and sum per query head, the accumulator rescaled when
+ * is (row, KV head, block of QB queries): its G x QB query heads stream the row's keys in blocks of KB keys (read
+ * through each key's offset in the pool, so a block may span pages of any size), with an online softmax (running max and sum per query head, the accumulator rescaled when
  * the max grows; the formulation of FlashAttention, Dao et al. 2022, section 3.1). Per block the keys are transposed
  * into a KB-wide scratch so QK^T runs over KB keys per vector FMA; PV runs over D per FMA. Causality skips the key
  * blocks a whole task never reads and bounds each query's keys in the last ones. */
-#define QB 16
+#define QB 32
 #define KB 64
 
-typedef float vkb __attribute__((vector_size(KB * 4)));
-
-static inline __attribute__((always_inline)) void ptask(const float *qb, int64_t q_row, int64_t q_head,
-        const float *k, const float *v, int64_t blk, int64_t tok, int64_t page, const int64_t *tb, int64_t first,
-        int64_t nq, int64_t G, const int64_t D, float scale, float *kt, float *acc, float *mx, float *sum, float *ob,
-        int64_t o_row, int64_t o_head) {
-    /* first: position of the task's first query; its last query reads keys [0, first + nq). */
-    const int64_t R = nq * G, n_keys = first + nq;
-    for (int64_t r = 0; r < R; r++) {
-        mx[r] = -INFINITY;
-        sum[r] = 0.f;
-        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.f;
-    }
-    for (int64_t j0 = 0; j0 < n_keys;) {
-        const int64_t in_page = j0 % page;
-        int64_t kb = page - in_page;
-        kb = kb < KB ? kb : KB;
-        kb = kb < n_keys - j0 ? kb : n_keys - j0;
-        const int64_t off = tb[j0 / page] * blk + in_page * tok;
-        const float *kp = k + off, *vp = v + off;
-        for (int64_t d = 0; d < D; d++) {
-            float *row = kt + d * KB;
-            for (int64_t t = 0; t < kb; t++) row[t] = kp[t * tok + d];
-            for (int64_t t = kb; t < KB; t++) row[t] = 0.f;
-        }
-        for (int64_t i = 0; i < nq; i++) {
-            int64_t valid = first + i + 1 - j0;  /* keys of this block the query may read */
-            if (valid <= 0) continue;
-            valid = valid < kb ? valid : kb;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qv = qb + i * q_row + g * q_head;
-                const int64_t r = i * G + g;
-                vkb s = {0};
-                for (int64_t d = 0; d < D; d++) {
-                    vkb kd;
-                    memcpy(&kd, kt + d * KB, sizeof kd);
-                    s += qv[d] * kd;
-                }
-                float sc[KB];
-                memcpy(sc, &s, sizeof sc);
-                float bm = -INFINITY;
-                for (int64_t t = 0; t < valid; t++) {
-                    sc[t] *= scale;
-                    bm = sc[t] > bm ? sc[t] : bm;
-                }
-                const float m_new = bm > mx[r] ? bm : mx[r];
-                float *a = acc + r * D;
-                if (m_new > mx[r] && sum[r] > 0.f) {  /* the max grew: rescale what was accumulated */
-                    const float corr = exp_nonpos(mx[r] - m_new);
-                    sum[r] *= corr;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] *= corr;
-                }
-                mx[r] = m_new;
-                float bs = 0.f;
-#pragma omp simd reduction(+ : bs)
-                for (int64_t t = 0; t < valid; t++) {
-                    const float e = exp_nonpos(sc[t] - m_new);
-                    sc[t] = e;
-                    bs += e;
-                }
-                sum[r] += bs;
-                for (int64_t t = 0; t < valid; t++) {
-                    const float p = sc[t], *vt = vp + t * tok;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += p * vt[d];
-                }
-            }
-        }
-        j0 += kb;
-    }
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t g = 0; g < G; g++) {
-            const float w = 1.f / sum[i * G + g], *a = acc + (i * G + g) * D;
-            float *o = ob + i * o_row + g * o_head;
-            for (int64_t d = 0; d < D; d++) o[d] = a[d] * w;
-        }
-}
-
-/* The same task for D = 64 with its accumulators in registers: the G query heads of a position go through QK^T
- * and PV together in groups of up to 4, so each transposed key column and each value row is loaded once per group
- * (4 heads x 64 lanes = 16 vector registers of 16 floats), and a head's output stays in registers across a block.
- * (Vectors of one register's width: GCC spills wider generic vectors.) */
 typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register (two AVX2 ones elsewhere) */
 
 static inline __attribute__((always_inline)) v16 load16(const float *p) {
@@ -224,9 +142,41 @@ static inline __attribute__((always_inline)) v16 load16(const float *p) {
     return x;
 }
 
+/* One query head's block of scores p[0..valid): scaled, folded into the head's running max and sum, and turned into
+ * exp(score - max). Returns the factor the head's accumulator must be multiplied by first (1: the max held). */
+static inline __attribute__((always_inline)) float online_softmax(float *p, int64_t valid, float scale, float *mx,
+                                                                   float *sum) {
+    float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+    for (int64_t t = 0; t < valid; t++) {
+        p[t] *= scale;
+        bm = p[t] > bm ? p[t] : bm;
+    }
+    const float m_new = bm > *mx ? bm : *mx;
+    float corr = 1.f;
+    if (m_new > *mx && *sum > 0.f) {
+        corr = exp_nonpos(*mx - m_new);
+        *sum *= corr;
+    }
+    *mx = m_new;
+    float bs = 0.f;
+#pragma omp simd reduction(+ : bs)
+    for (int64_t t = 0; t < valid; t++) {
+        const float e = exp_nonpos(p[t] - m_new);
+        p[t] = e;
+        bs += e;
+    }
+    *sum += bs;
+    return corr;
+}
+
+/* D = 64: up to 4 query heads of one position through QK^T and PV together, each transposed key column and each
+ * value row loaded once for all of them, scores and outputs in registers (4 heads x 64 lanes = 16 vectors of 16
+ * floats; vectors of one register's width, because GCC spills wider generic vectors). `nh` is a constant at every
+ * call, so the loops over heads unroll. */
 static inline __attribute__((always_inline)) void heads64(const float *qb, int64_t q_head, const float *kt,
-        const float *vp, int64_t tok, int64_t valid, float scale, int64_t r0, const int nh, float *acc, float *mx,
-        float *sum) {
+        const float *v, const int64_t *off, int64_t valid, float scale, int64_t r0, const int nh, float *acc,
+        float *mx, float *sum) {
     v16 s[4][4];
     for (int c = 0; c < nh; c++)
         for (int j = 0; j < 4; j++) s[c][j] = (v16){0};
@@ -244,33 +194,12 @@ static inline __attribute__((always_inline)) void heads64(const float *qb, int64
     float p[4][KB];
     v16 o[4][4];
     for (int c = 0; c < nh; c++) {
-        const int64_t r = r0 + c;
         memcpy(p[c], s[c], sizeof p[c]);
-        float bm = -INFINITY;
-#pragma omp simd reduction(max : bm)
-        for (int64_t t = 0; t < valid; t++) {
-            p[c][t] *= scale;
-            bm = p[c][t] > bm ? p[c][t] : bm;
-        }
-        const float m_new = bm > mx[r] ? bm : mx[r];
-        for (int j = 0; j < 4; j++) o[c][j] = load16(acc + r * 64 + 16 * j);
-        if (m_new > mx[r] && sum[r] > 0.f) {
-            const float corr = exp_nonpos(mx[r] - m_new);
-            sum[r] *= corr;
-            for (int j = 0; j < 4; j++) o[c][j] *= corr;
-        }
-        mx[r] = m_new;
-        float bs = 0.f;
-#pragma omp simd reduction(+ : bs)
-        for (int64_t t = 0; t < valid; t++) {
-            const float e = exp_nonpos(p[c][t] - m_new);
-            p[c][t] = e;
-            bs += e;
-        }
-        sum[r] += bs;
+        const float corr = online_softmax(p[c], valid, scale, mx + r0 + c, sum + r0 + c);
+        for (int j = 0; j < 4; j++) o[c][j] = load16(acc + (r0 + c) * 64 + 16 * j) * corr;
     }
     for (int64_t t = 0; t < valid; t++) {
-        const float *vt = vp + t * tok;
+        const float *vt = v + off[t];
         const v16 x0 = load16(vt), x1 = load16(vt + 16), x2 = load16(vt + 32), x3 = load16(vt + 48);
         for (int c = 0; c < nh; c++) {
             const float pc = p[c][t];
@@ -283,51 +212,77 @@ static inline __attribute__((always_inline)) void heads64(const float *qb, int64
     for (int c = 0; c < nh; c++) memcpy(acc + (r0 + c) * 64, o[c], sizeof o[c]);
 }
 
-static void ptask64(const float *qb, int64_t q_row, int64_t q_head, const float *k, const float *v, int64_t blk,
-                    int64_t tok, int64_t page, const int64_t *tb, int64_t first, int64_t nq, int64_t G, float scale,
-                    float *kt, float *acc, float *mx, float *sum, float *ob, int64_t o_row, int64_t o_head) {
+/* Any D: one query head at a time, its accumulator in memory. */
+static void head_any(const float *qv, const float *kt, const float *v, const int64_t *off, int64_t valid, float scale,
+                     int64_t D, float *a, float *mx, float *sum) {
+    v16 s[KB / 16] = {{0}};
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < KB / 16; j++) s[j] += qv[d] * load16(kt + d * KB + 16 * j);
+    float p[KB];
+    memcpy(p, s, sizeof p);
+    const float corr = online_softmax(p, valid, scale, mx, sum);
+    if (corr != 1.f)
+        for (int64_t d = 0; d < D; d++) a[d] *= corr;
+    for (int64_t t = 0; t < valid; t++) {
+        const float pt = p[t], *vt = v + off[t];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) a[d] += pt * vt[d];
+    }
+}
+
+/* One task; `first` is the position of its first query, so its last query reads keys [0, first + nq). */
+static inline __attribute__((always_inline)) void ptask(const float *qb, int64_t q_row, int64_t q_head,
+        const float *k, const float *v, int64_t blk, int64_t tok, int64_t page, const int64_t *tb, int64_t first,
+        int64_t nq, int64_t G, const int64_t D, float scale, float *kt, float *acc, float *mx, float *sum, float *ob,
+        int64_t o_row, int64_t o_head, int64_t *off) {
     const int64_t R = nq * G, n_keys = first + nq;
     for (int64_t r = 0; r < R; r++) {
         mx[r] = -INFINITY;
         sum[r] = 0.f;
-        memset(acc + r * 64, 0, 64 * sizeof(float));
+        memset(acc + r * D, 0, (size_t)D * sizeof(float));
     }
-    for (int64_t j0 = 0; j0 < n_keys;) {
-        const int64_t in_page = j0 % page;
-        int64_t kb = page - in_page;
-        kb = kb < KB ? kb : KB;
-        kb = kb < n_keys - j0 ? kb : n_keys - j0;
-        const int64_t off = tb[j0 / page] * blk + in_page * tok;
-        const float *kp = k + off, *vp = v + off;
-        for (int64_t d = 0; d < 64; d++) {
+    for (int64_t j0 = 0; j0 < n_keys; j0 += KB) {
+        const int64_t kb = n_keys - j0 < KB ? n_keys - j0 : KB;
+        for (int64_t t = 0; t < kb;) {  /* each key's offset in the pool: a block may span pages */
+            const int64_t pos = j0 + t, in_page = pos % page, base = tb[pos / page] * blk;
+            const int64_t run = page - in_page < kb - t ? page - in_page : kb - t;
+            for (int64_t u = 0; u < run; u++) off[t + u] = base + (in_page + u) * tok;
+            t += run;
+        }
+        for (int64_t d = 0; d < D; d++) {
             float *row = kt + d * KB;
-            for (int64_t t = 0; t < kb; t++) row[t] = kp[t * tok + d];
+            for (int64_t t = 0; t < kb; t++) row[t] = k[off[t] + d];
             for (int64_t t = kb; t < KB; t++) row[t] = 0.f;
         }
         for (int64_t i = 0; i < nq; i++) {
-            int64_t valid = first + i + 1 - j0;
+            int64_t valid = first + i + 1 - j0;  /* keys of this block the query may read */
             if (valid <= 0) continue;
             valid = valid < kb ? valid : kb;
             const float *qi = qb + i * q_row;
-            for (int64_t g = 0; g < G; g += 4) {
-                const int64_t nh = G - g < 4 ? G - g : 4;
-                const float *qg = qi + g * q_head;
-                const int64_t r0 = i * G + g;
-                switch (nh) {  /* a constant head count per call: the loops over heads unroll into registers */
-                    case 4: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 4, acc, mx, sum); break;
-                    case 3: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 3, acc, mx, sum); break;
-                    case 2: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 2, acc, mx, sum); break;
-                    default: heads64(qg, q_head, kt, vp, tok, valid, scale, r0, 1, acc, mx, sum); break;
+            if (D == 64) {
+                for (int64_t g = 0; g < G; g += 4) {
+                    const float *qg = qi + g * q_head;
+                    const int64_t r0 = i * G + g;
+                    switch (G - g < 4 ? G - g : 4) {
+                        case 4: heads64(qg, q_head, kt, v, off, valid, scale, r0, 4, acc, mx, sum); break;
+                        case 3: heads64(qg, q_head, kt, v, off, valid, scale, r0, 3, acc, mx, sum); break;
+                        case 2: heads64(qg, q_head, kt, v, off, valid, scale, r0, 2, acc, mx, sum); break;
+                        default: heads64(qg, q_head, kt, v, off, valid, scale, r0, 1, acc, mx, sum); break;
+                    }
+                }
+            } else {
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = i * G + g;
+                    head_any(qi + g * q_head, kt, v, off, valid, scale, D, acc + r * D, mx + r, sum + r);
                 }
             }
         }
-        j0 += kb;
     }
     for (int64_t i = 0; i < nq; i++)
         for (int64_t g = 0; g < G; g++) {
-            const float w = 1.f / sum[i * G + g], *a = acc + (i * G + g) * 64;
+            const float w = 1.f / sum[i * G + g], *a = acc + (i * G + g) * D;
             float *o = ob + i * o_row + g * o_head;
-            for (int64_t d = 0; d < 64; d++) o[d] = a[d] * w;
+            for (int64_t d = 0; d < D; d++) o[d] = a[d] * w;
         }
 }
 
@@ -353,13 +308,14 @@ int cbnb_paged_prefill_f32(const float *q, int64_t q_row, int64_t q_head, const 
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *kt = (float *)malloc(sizeof(float) * (size_t)(D * KB + 2 * QB * G + QB * G * D));
-        if (kt == NULL) failed = 1;
+        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * KB);
+        if (kt == NULL || off == NULL) failed = 1;
         float *mx = kt + D * KB, *sum = mx + QB * G, *acc = sum + QB * G;
         int64_t b = 0;
         /* later query blocks read more keys: hand them out first, one at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = n_tasks - 1; task >= 0; task--) {
-            if (kt == NULL) continue;
+            if (kt == NULL || off == NULL) continue;
             while (b > 0 && task < first_task[b]) b--;
             while (task >= first_task[b + 1]) b++;
             const int64_t local = task - first_task[b], blocks = (counts[b] + QB - 1) / QB;
@@ -370,13 +326,14 @@ int cbnb_paged_prefill_f32(const float *q, int64_t q_row, int64_t q_head, const 
             float *ob = out + row * o_row + kh * G * o_head;
             const int64_t *tb = tables + b * W;
             if (D == 64)
-                ptask64(qb, q_row, q_head, k + kh * head, v + kh * head, blk, tok, page, tb, starts[b] + qi, nq, G,
-                        scale, kt, acc, mx, sum, ob, o_row, o_head);
+                ptask(qb, q_row, q_head, k + kh * head, v + kh * head, blk, tok, page, tb, starts[b] + qi, nq, G, 64,
+                      scale, kt, acc, mx, sum, ob, o_row, o_head, off);
             else
                 ptask(qb, q_row, q_head, k + kh * head, v + kh * head, blk, tok, page, tb, starts[b] + qi, nq, G, D,
-                      scale, kt, acc, mx, sum, ob, o_row, o_head);
+                      scale, kt, acc, mx, sum, ob, o_row, o_head, off);
         }
         free(kt);
+        free(off);
     }
     free(first_task);
     return failed ? 3 : 0;
