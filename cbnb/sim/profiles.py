@@ -377,11 +377,11 @@ TRUST_TEXT = {
 #: calibrated CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error| of that day's three
 #: runs (the two earlier ones missed the wall target where the machine had slowed down after the calibration).
 VALIDATION: dict[str, Any] = {
-    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-06 05:31 (packed oneDNN linears, "
-              "rewritten decode kernel, decoder layers with C ops), 2-core development machine (README); "
-              "wall_error_pct_max over that day's runs at 02:23, 03:02, 03:20 and 05:31",
-    "step_error_pct_p50": {"cpu-32": 1.8, "long-gen": 5.5, "shared-prefix": 6.7, "cpu-poisson": 7.7},
-    "wall_error_pct": {"cpu-32": -0.0, "long-gen": -5.8, "shared-prefix": -4.0, "cpu-poisson": -0.4},
+    "source": "python -m cbnb.sim.validate --threads 2 --repeat 3, 2026-12-06 07:41 (packed oneDNN linears, "
+              "rewritten decode kernel, decoder layers with C ops, the C prefill kernel), 2-core development machine "
+              "(README); wall_error_pct_max over that day's runs at 02:23, 03:02, 03:20, 05:31 and 07:41",
+    "step_error_pct_p50": {"cpu-32": 9.0, "long-gen": 4.7, "shared-prefix": 7.0, "cpu-poisson": 8.9},
+    "wall_error_pct": {"cpu-32": 7.5, "long-gen": -5.8, "shared-prefix": 6.8, "cpu-poisson": -0.5},
     "wall_error_pct_max": 15.1,
 }
 
