@@ -24,4 +24,16 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
+/* x[j] = exp(x[j] - m) for j < n (m >= every x[j]: the softmax's max); returns their sum. */
+static inline float exp_shifted_sum(float *x, int64_t n, float m) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) {
+        const float e = exp_nonpos(x[j] - m);
+        x[j] = e;
+        sum += e;
+    }
+    return sum;
+}
+
 #endif

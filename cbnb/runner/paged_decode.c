@@ -52,14 +52,7 @@ static inline __attribute__((always_inline)) void task(const float *qb, int64_t 
         float *sg = s + g * n;
         float mx = sg[0];
         for (int64_t j = 1; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) {
-            const float e = exp_nonpos(sg[j] - mx);
-            sg[j] = e;
-            sum += e;
-        }
-        inv[g] = 1.f / sum;
+        inv[g] = 1.f / exp_shifted_sum(sg, n, mx);
     }
     /* PV: keys outer, query heads inner, so each value vector is read once per chunk of GMAX heads x DMAX dims. */
     float acc[GMAX * DMAX];
@@ -159,14 +152,7 @@ static inline __attribute__((always_inline)) float online_softmax(float *p, int6
         *sum *= corr;
     }
     *mx = m_new;
-    float bs = 0.f;
-#pragma omp simd reduction(+ : bs)
-    for (int64_t t = 0; t < valid; t++) {
-        const float e = exp_nonpos(p[t] - m_new);
-        p[t] = e;
-        bs += e;
-    }
-    *sum += bs;
+    *sum += exp_shifted_sum(p, valid, m_new);
     return corr;
 }
 
