@@ -111,13 +111,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         k_pages[gb.write_blocks, gb.write_offsets] = k.to(k_pages.dtype)
         v_pages[gb.write_blocks, gb.write_offsets] = v.to(v_pages.dtype)
 
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5  # the C kernels' (sdpa takes None itself)
     if gb.dec_lens is not None:
-        cpu_kernels.paged_decode(q, k_pages, v_pages, gb.dec_rows, gb.dec_pages, gb.dec_lens, gb.dec_keys,
-                                 scaling if scaling is not None else q.shape[-1] ** -0.5, out)
+        cpu_kernels.paged_decode(q, k_pages, v_pages, gb.dec_rows, gb.dec_pages, gb.dec_lens, gb.dec_keys, scale,
+                                 out)
 
     if gb.pre_counts is not None:  # after the write: the chunks' own K/V are in their pages
         cpu_kernels.paged_prefill(q, k_pages, v_pages, gb.pre_rows, gb.pre_starts, gb.pre_counts, gb.pre_pages,
-                                  scaling if scaling is not None else q.shape[-1] ** -0.5, out)
+                                  scale, out)
 
     for row, page, valid in gb.dec_single:
         # In place: the page's first `valid` slots, viewed [1, Hkv, valid, D]; no mask needed.

@@ -100,6 +100,14 @@ def _window_mask(n_q: int, n_old: int, window: int | None, device: torch.device)
     return m
 
 
+def _block_tables(tables: list[list[int]], pad: int) -> np.ndarray:
+    """The rows' block tables as one ``[rows, longest]`` int64 array, short rows padded with block `pad`."""
+    out = np.full((len(tables), max(len(t) for t in tables)), pad, dtype=np.int64)
+    for r, t in enumerate(tables):
+        out[r, :len(t)] = t
+    return out
+
+
 def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, device: torch.device) -> StepBatch:
     """Pack the scheduled requests of a step into a `StepBatch` on `device`, from the step's own KV data (`kv`, the
     plan's `StepWork.kv`: block tables and slots; the cache manager is never read)."""
@@ -183,21 +191,14 @@ def build_step_batch(entries: list[ScheduledRequest], kv: StepKV, store: Any, de
                                          device=device)
         if kpre[g]:
             d = kpre[g]
-            pages = np.full((len(d), max(len(x[3]) for x in d)), grp.read_padding_block, dtype=np.int64)
-            for r, x in enumerate(d):
-                pages[r, :len(x[3])] = x[3]
             meta = np.array([x[:3] for x in d], dtype=np.int64).T.copy()  # [3, Bp]: rows, pasts, lengths
             gb.pre_rows, gb.pre_starts, gb.pre_counts = (torch.from_numpy(m) for m in meta)
-            gb.pre_pages = torch.from_numpy(pages)
+            gb.pre_pages = torch.from_numpy(_block_tables([x[3] for x in d], grp.read_padding_block))
         if dec[g] and kernel:
             d = dec[g]
-            width = max(len(pg) for _, pg, _ in d)
-            pages = np.full((len(d), width), grp.read_padding_block, dtype=np.int64)
-            for r, (_, pg, _v) in enumerate(d):
-                pages[r, :len(pg)] = pg
             lens = np.fromiter((v for _, _, v in d), dtype=np.int64, count=len(d))
             gb.dec_rows = torch.tensor([a for a, _, _ in d], dtype=torch.long)
-            gb.dec_pages = torch.from_numpy(pages)
+            gb.dec_pages = torch.from_numpy(_block_tables([pg for _, pg, _ in d], grp.read_padding_block))
             gb.dec_lens = torch.from_numpy(lens)
             gb.dec_keys = int(lens.max())
         elif dec[g]:

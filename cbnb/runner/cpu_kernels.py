@@ -145,11 +145,7 @@ class _Paged:
             fn.argtypes = args
 
 
-def _bind_paged(lib: ctypes.CDLL) -> Any:
-    return _Paged(lib)
-
-
-_PAGED = LazyLibrary(_SRC.name, _bind_paged, "the CPU paged-attention kernel", "using the torch attention path")
+_PAGED = LazyLibrary(_SRC.name, _Paged, "the CPU paged-attention kernel", "using the torch attention path")
 
 
 def available() -> bool:

@@ -180,8 +180,9 @@ def _attention(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, log: Call
 def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: float,
                  log: Callable[..., None]) -> list[list[float]]:
     """The elementwise ops of one eager decoder layer (RMSNorms, RoPE on q and k, SiLU * up, residual adds; through the
-    runner's C layer ops where it uses them) at 1 .. 512 rows, with the L2 cache flushed before each run (in a forward, the layer's weights stream through it in between);
-    returns, per rows, the bytes the cost model counts for them (`elementwise_elems`) per second of their real time."""
+    runner's C layer ops where it uses them) at 1 .. 512 rows, with the L2 cache flushed before each run (in a
+    forward, the layer's weights stream through it in between); returns, per rows, the bytes the cost model counts
+    for them (`elementwise_elems`) per second of their real time."""
     from .cost import elementwise_elems
 
     h, i, H, Hkv, d = s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim
@@ -350,13 +351,24 @@ def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..
 _PAST_POINTS = ((16, 128), (64, 128), (16, 512), (64, 512))
 
 
+def _fit_rate(rows: list[list[float]], ys: list[float]) -> tuple[list[float], float]:
+    """Least squares (relative error) of ``t = sum_j c_j x_j + flops / rate`` over measured points; `rows` hold the
+    x_j and last the FLOPs, `ys` the seconds. Returns the c_j (clamped non-negative) and the rate (at most 16x the
+    fastest measured FLOP/s, which also stands in when the fit gives the FLOPs no cost)."""
+    import numpy as np
+
+    a, y = np.array(rows), np.array(ys)
+    coef = [max(0.0, float(c)) for c in np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]]
+    best = max(r[-1] / t for r, t in zip(rows, ys))
+    inv = coef.pop()
+    return coef, (min(1.0 / inv, 16 * best) if inv > 0 else 16 * best)
+
+
 def _past_attention(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float]:
     """The CPU runner's prefill attention for a chunk with a past ("paged" rows of `cbnb.runner.batch`: its pages
     gathered, then masked attention): ``t = call + keys * key_s + flops / rate`` fitted by least squares over
     `_PAST_POINTS` (keys = past + chunk, flops = 4 H d n keys, the masked rectangle); returns {"flops", "key_s",
     "call_s"} (each clamped non-negative, the rate at most 16x the fastest measured)."""
-    import numpy as np
-
     from ..runner.attention import _gather_pages, _sdpa
 
     H, Hkv, d, page = s.num_heads, s.num_kv_heads, s.head_dim, 16
@@ -377,11 +389,7 @@ def _past_attention(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...
 
         rows.append([1.0, float(keys), 4.0 * H * d * n * keys])
         ys.append(_median_time(run, reps))
-    a, y = np.array(rows), np.array(ys)
-    coef = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]  # relative error
-    call, key_s, inv = (max(0.0, float(c)) for c in coef)
-    best = max(f / t for (_, _, f), t in zip(rows, ys))
-    rate = min(1.0 / inv, 16 * best) if inv > 0 else 16 * best
+    (call, key_s), rate = _fit_rate(rows, ys)
     log(f"prefill over a past {rate / 1e9:.1f} GFLOP/s, {key_s * 1e9:.0f} ns per key, {call * 1e6:.0f} us per call "
         f"(from {', '.join(f'{n}x{p}: {t * 1e6:.0f} us' for (n, p), t in zip(_PAST_POINTS, ys))})")
     return {"flops": rate, "key_s": key_s, "call_s": call}
@@ -396,12 +404,9 @@ def _kernel_prefill(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...
     the prefill chunks of full-attention layers in float32): ``t = call + flops / rate`` fitted by least squares
     (relative error) over `_PREFILL_POINTS`, flops = ``4 H d`` per causal query-key pair; returns {"flops",
     "call_s"}, or None when the runner would not use the kernel."""
-    import numpy as np
-
     from ..runner import cpu_kernels
 
-    if dt != torch.float32 or not (cpu_kernels.enabled() and cpu_kernels.prefill_enabled()
-                                   and cpu_kernels.available()):
+    if dt != torch.float32 or not (cpu_kernels.prefill_enabled() and cpu_kernels.available()):
         return None
     H, Hkv, d, page = s.num_heads, s.num_kv_heads, s.head_dim, 64
     rows, ys = [], []
@@ -415,11 +420,7 @@ def _kernel_prefill(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...
         ys.append(_median_time(lambda: cpu_kernels.paged_prefill(q, k_pages, v_pages, *meta, table, d ** -0.5, out),
                                reps))
         rows.append([1.0, 4.0 * H * d * (n * past + n * (n + 1) / 2)])
-    a, y = np.array(rows), np.array(ys)
-    coef = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)[0]
-    call, inv = (max(0.0, float(c)) for c in coef)
-    best = max(f / t for (_, f), t in zip(rows, ys))
-    rate = min(1.0 / inv, 16 * best) if inv > 0 else 16 * best
+    (call,), rate = _fit_rate(rows, ys)
     log(f"prefill kernel {rate / 1e9:.1f} GFLOP/s, {call * 1e6:.0f} us per call "
         f"(from {', '.join(f'{n}x{p}: {t * 1e6:.0f} us' for (n, p), t in zip(_PREFILL_POINTS, ys))})")
     return {"flops": rate, "call_s": call}

@@ -177,7 +177,7 @@ def test_build_failure_warns_once_and_the_engine_uses_the_torch_path(monkeypatch
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("CBNB_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    fresh = cpu_kernels.LazyLibrary("paged_decode.c", cpu_kernels._bind_paged, "the CPU paged-attention kernel",
+    fresh = cpu_kernels.LazyLibrary("paged_decode.c", cpu_kernels._Paged, "the CPU paged-attention kernel",
                                     "using the torch attention path")
     monkeypatch.setattr(cpu_kernels, "_PAGED", fresh)  # restored after the test: the real kernel stays loaded
     with pytest.warns(RuntimeWarning, match="kernel is unavailable"):
