@@ -298,7 +298,7 @@ int cbnb_paged_prefill_f32(const float *q, int64_t q_row, int64_t q_head, const 
         if (kt == NULL || off == NULL) failed = 1;
         float *mx = kt + D * KB, *sum = mx + QB * G, *acc = sum + QB * G;
         int64_t b = 0;
-        /* later query blocks read more keys: hand them out first, one at a time */
+        /* from the last task down: within a (row, KV head), later query blocks read more keys, so they go first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = n_tasks - 1; task >= 0; task--) {
             if (kt == NULL || off == NULL) continue;
