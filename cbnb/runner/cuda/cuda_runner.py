@@ -5,12 +5,12 @@ One step (`launch` then `collect`; `execute` does both):
 
 1. **copies**: swap-outs, then restores, on the compute stream (same order as the CPU runner);
 2. **prepare** (host, numpy): the step's metadata is packed into the current IO pair's pinned int32 buffer
-   (`cbnb.runner.graphs.MetaLayout`): token ids, positions, carry-over indices, logits rows, per-request query
+   (`cbnb.runner.cuda.graphs.MetaLayout`): token ids, positions, carry-over indices, logits rows, per-request query
    start/length/past, the decode list and the prefill work list, and per layer group the write slots and block tables;
 3. **H2D**: one copy of the used prefix of that buffer to its device twin, on the H2D stream (an event orders it
    before the compute);
 4. **compute** on the compute stream: the model forward with attention implementation "cbnb_cuda" (this module's
-   `cuda_attention_forward`, which calls `cbnb.runner.triton_attention.paged_attention` per layer) and the greedy
+   `cuda_attention_forward`, which calls `cbnb.runner.cuda.triton_attention.paged_attention` per layer) and the greedy
    argmax into the pair's static output. With graphs, the forward is captured once per padded shape (`GraphCache`) and
    replayed; rows that sample (``do_sample``) are drawn eagerly after the replay, on the device, without host syncs;
 5. **D2H**: the sampled ids are copied to pinned host memory on the D2H stream; `collect` waits on that event.
@@ -39,15 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.cache.manager import CacheManager
-from ..core.plan import StepKV, StepResult, StepWork
-from .attention import paged_attention_forward, register as register_cpu_attention
+from ...core.plan import KVGeometry, StepKV, StepResult, StepWork
+from ..cpu.attention import paged_attention_forward, register as register_cpu_attention
 from .device_checks import pick_attention, sync_debug
 from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
                      cdiv, graph_support, maybe_stream)
-from .kv import KVStore
-from .model_runner import ModelRunner
-from .sampling import unpack
+from ..kv import KVStore
+from ..model_runner import ModelRunner
+from ..sampling import unpack
 from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
@@ -151,11 +150,11 @@ class CudaModelRunner(ModelRunner):
     explicitly in tests.
 
     Args:
-        model, cache, store, seed: as `ModelRunner`.
+        model, geometry, store, seed: as `ModelRunner`.
         config: a resolved `ContinuousBatchingConfig`; may also be given later with `configure` (the engine loop
             configures an unconfigured runner with `engine.config` before its first step).
         backend: "cuda" (real graphs and streams) or "fake" (CPU stand-in); default: "cuda" on CUDA, else "fake".
-        attention: "triton" (kernels) or "torch" (the references); default (`cbnb.runner.device_checks.pick_attention`):
+        attention: "triton" (kernels) or "torch" (the references); default (`cbnb.runner.cuda.device_checks.pick_attention`):
             "triton" on CUDA when a 1-element Triton kernel launches, else "torch" with the reason in
             ``describe()["attention_reason"]``; the environment variable ``CBNB_ATTENTION`` forces one.
         num_sms: multiprocessors used to pick decode splits (default: the device's, 132 off CUDA).
@@ -167,10 +166,10 @@ class CudaModelRunner(ModelRunner):
     attention_name = CUDA_ATTN_NAME
     supports_prompt_logprobs = False  # its graphs and async steps keep only the sampling rows' logits
 
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None,
+    def __init__(self, model: torch.nn.Module, geometry: KVGeometry, store: KVStore, seed: int | None = None,
                  config: Any = None, *, backend: str | None = None, attention: str | None = None,
                  num_sms: int | None = None) -> None:
-        super().__init__(model, cache, store, seed)
+        super().__init__(model, geometry, store, seed)
         register_cuda_attention()
         cuda = self.device.type == "cuda"
         self.backend_kind = backend or ("cuda" if cuda else "fake")
@@ -193,10 +192,10 @@ class CudaModelRunner(ModelRunner):
         lay = store.layout
         self.page_size = lay.page_size
         # The fixed geometry, read once (plain data); every step's tables and slots come with its `StepWork.kv`.
-        kv_groups = cache.kv_groups()
+        kv_groups = geometry.groups
         self.windows = [g.window for g in kv_groups]
         self.trash = [int(g.write_padding_block) * lay.page_size for g in kv_groups]
-        self.capacity_tokens = cache.capacity_tokens
+        self.capacity_tokens = geometry.capacity_tokens
         self.kcfg = kernel_config(lay.head_dim)
         self.bytes_per_token_layer = lay.bytes_per_token_per_layer
         self.layers_per_group = [len(g.layers) for g in lay.groups]
