@@ -150,7 +150,8 @@ class Panel(anywidget.AnyWidget):
 
     def close(self) -> None:
         """Stop the panel's own poller (if it has one) and close the widget."""
-        if self._owns_poller and getattr(self, "poller", None) is not None:
+        # getattr: ipywidgets' __del__ also closes a panel whose __init__ raised half way.
+        if getattr(self, "_owns_poller", False) and getattr(self, "poller", None) is not None:
             self.poller.stop()
         super().close()
 
