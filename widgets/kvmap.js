@@ -218,7 +218,7 @@ function render({ model, el }) {
     else {
       const owners = msg.owners && msg.owners.length ? msg.owners.join(", ") : "none";
       hovered.detail = `owner${msg.owners && msg.owners.length > 1 ? "s" : ""}: ${owners} · tokens filled ${msg.tokens}/${msg.page_size}`
-        + (msg.padding ? " · padding block" : "");
+        + (msg.padding ? " · padding block" : "") + (msg.note ? `\n${msg.note}` : "");
     }
     f.root.__cbnbKvGeo = layouts.map((L) => ({ cell: L.cell, cols: L.cols, n: L.n })); // read by the browser tests
     L_updateTip();

@@ -392,3 +392,34 @@ def test_step_rate_words_and_board_paused(page, tiny_engine):
     mount(page, board, state=dict(widget_state(board), engine_state="paused"))
     assert "engine paused (step mode: Step or Resume)" in page.locator(".cbnb-board").text_content()
     assert "engine running" not in page.locator(".cbnb-board").text_content()
+
+
+# ---------------------------------------------------------------------------------------------- issue 40, item 5
+def test_why_colours_an_end_as_the_timeline_does(page, tiny_engine):
+    """Why?'s swatch of a CANCELLED end was FINISHED's green; the timeline draws cancelled grey, failed red."""
+    from cbnb.ui.why import WhyPanel
+
+    why = WhyPanel(tiny_engine, autostart=False)
+    seen = {}
+    try:
+        for dark in (False, True):
+            for state in ("FINISHED", "FAILED", "CANCELLED"):
+                why.request_id = "req-9"
+                story = {"request_id": "req-9", "state": state, "headline": "req-9",
+                         "entries": [{"kind": "end", "step": 3, "last_step": 3, "span": "step 3",
+                                      "text": f"{state}: 2 tokens", "fields": []}]}
+                why.story = {}
+                mount(page, why)
+                set_theme(page, dark)  # (mount replaces the page's body)
+                py_set(page, "story", story)
+                wait_js(page, "() => !!document.querySelector('.cbnb-why-entry[data-kind=end] .cbnb-swatch')")
+                css = page.evaluate("() => getComputedStyle(document.querySelector("
+                                    "'.cbnb-why-entry[data-kind=end] .cbnb-swatch')).backgroundColor")
+                seen[(dark, state)] = tuple(page.evaluate(RGB_JS, css))
+    finally:
+        set_theme(page, False)
+    # the timeline's end colours (widgets/timeline.js)
+    assert seen[(False, "CANCELLED")] == (138, 138, 138) and seen[(True, "CANCELLED")] == (154, 154, 154)
+    assert seen[(False, "FINISHED")] == (63, 158, 58) and seen[(False, "FAILED")] == (214, 39, 40)
+    for dark in (False, True):
+        assert lab_de(seen[(dark, "CANCELLED")], seen[(dark, "FINISHED")]) >= 25
