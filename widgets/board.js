@@ -99,7 +99,10 @@ function render({ model, el }) {
             td.append(b);
           }
         }
-        else if (c === "prompt_text") { td.textContent = v || "–"; td.title = v || ""; }
+        else if (c === "prompt_text") {  // at most 3 lines (the rest in the title): rows stay short at 2x
+          td.append(cbnbEl("span", "cbnb-clamp", v || "–"));
+          td.title = v || "";
+        }
         else if (c === "output_tokens") {
           const max = r[ix.max_new_tokens];
           const bar = cbnbEl("div", "cbnb-progress");
