@@ -505,3 +505,37 @@ def test_free_kv_blocks_read_on_the_dark_background(page):
         assert contrast(page.evaluate(RGB_JS, free), (17, 17, 17)) >= 2.5, free
     finally:
         set_theme(page, False)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_plots_right_axis_titles_are_whole_at_2x(page, tiny_engine, scale):
+    """The right-axis title of "Tokens per step" ("decode tokens") was seen clipped to "ens" on a projector in
+    JupyterLab; in the harness it is whole at 1x and 2x (a guard: the JupyterLab case was not reproduced here)."""
+    from cbnb.ui.plots import plotly_lib
+
+    plots = plots_panel(tiny_engine)
+    lib = plotly_lib()
+    page.set_viewport_size({"width": 1440, "height": 900})
+    mount(page, plots, models={lib.model_id: widget_state(lib)})
+    page.evaluate("() => { document.getElementById('root').style.width = '1300px'; }")
+    try:
+        wait_js(page, "() => (document.querySelector('.cbnb-plot-grid') || {}).__cbnbDraws >= 6", timeout_ms=60_000)
+        if scale != 1.0:  # every chart redraws at the new scale
+            set_scale(page, scale)
+            # (charts off screen redraw when scrolled to: the first one, "Tokens per step", is on screen)
+            wait_js(page, "() => { const g = document.querySelector('.cbnb-plots .js-plotly-plot');"
+                          f" return g._fullLayout && g._fullLayout.height === {round(250 * (1 + 0.6 * (scale - 1)))}; }}",
+                    timeout_ms=60_000)
+        boxes = page.evaluate("""() => Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).slice(0, 1).map((g) => {
+            const t = g.querySelector('.g-y2title text'); if (!t) return null;
+            const b = t.getBoundingClientRect(), s = g.getBoundingClientRect();
+            return {text: t.textContent, top: b.top, bottom: b.bottom, left: b.left, right: b.right,
+                    gtop: s.top, gbottom: s.bottom, gleft: s.left, gright: s.right}; }).filter(Boolean)""")
+        assert any(b["text"] == "decode tokens" for b in boxes), boxes
+        for b in boxes:
+            assert b["gtop"] - 0.5 <= b["top"] and b["bottom"] <= b["gbottom"] + 0.5, b
+            assert b["gleft"] - 0.5 <= b["left"] and b["right"] <= b["gright"] + 0.5, b
+        page.screenshot(path=str(ARTIFACTS / f"harness-plots-right-axis-{scale:g}x.png"), full_page=True)
+    finally:
+        set_scale(page, 1.0)
+        page.set_viewport_size({"width": 1000, "height": 1600})
