@@ -23,7 +23,7 @@ use_cuda_graph                 (False, False) without CUDA; else (True, True) un
 use_async_batching             `any(use_cuda_graph)` on CUDA, False elsewhere                             `resolve()`
 q_padding_interval_size        0 -> 64 tokens (transformers' preset)                                      `resolve()`
 kv_padding_interval_size       0 -> 16384 tokens (= 64 * 256, transformers' preset)                       `resolve()`
-safety_margin                  scheduler default: 0.15 for "fifo", 0.0 for "prefill_first"                `resolve()`
+safety_margin                  scheduler default: 0.15 for "fifo", 0.0 for "prefill_first" and "vllm"     `resolve()`
 seed                           stays None: unseeded sampling draws from torch's global RNG                runner
 cpu_offload_space              None -> `cpu_offload_space_safety_threshold * available RAM`                swap pool
 =============================  =========================================================================  ===========
@@ -51,8 +51,9 @@ __all__ = [
     "CBNB_FIELDS",
 ]
 
-#: Scheduler names accepted by `scheduler_type`, with their default safety margin (transformers' class defaults).
-DEFAULT_SAFETY_MARGINS: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+#: Scheduler names accepted by `scheduler_type`, with their default safety margin (transformers' class defaults; for
+#: "vllm", vLLM V1's scheduler, it is vLLM's watermark, 0.0 by default in its KVCacheManager).
+DEFAULT_SAFETY_MARGINS: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "vllm": 0.0}
 SCHEDULER_TYPES: tuple[str, ...] = tuple(DEFAULT_SAFETY_MARGINS)
 
 #: Order in which unreferenced cached prefix blocks are demoted when uninitialised blocks run out.

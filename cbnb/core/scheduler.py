@@ -51,7 +51,7 @@ from .requests import Request, RequestState
 
 __all__ = [
     "SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
-    "Scheduler", "FIFOScheduler", "PrefillFirstScheduler", "make_scheduler", "SCHEDULERS",
+    "Scheduler", "FIFOScheduler", "PrefillFirstScheduler",
 ]
 
 
@@ -341,6 +341,11 @@ class _Skips:
         if not (self.compact and waiting):
             self.add(reason, req.request_id, **detail)
             return False
+        self.rest(reason, idx, req, **detail)
+        return True
+
+    def rest(self, reason: SkipReason, idx: int, req: Request | None, **detail: Any) -> None:
+        """Refuse waiting candidate number `idx` (`req`; None: the first waiting one) and every later one."""
         key = (reason, tuple(sorted(detail.items())))
         entry = self.entries.get(key)
         ids = self.sched._rest(list(entry.request_ids) if entry else [], self.waiting_c, self.plain,
@@ -350,7 +355,6 @@ class _Skips:
             self.plan.skipped.append(entry)
         else:
             entry.request_ids = ids
-        return True
 
     def refuse_all(self, idx: int, req: Request, cap: bool) -> None:
         """The request cap (`cap`) or the token budget is used up at candidate `idx`: it and every later one."""
@@ -398,19 +402,3 @@ class PrefillFirstScheduler(Scheduler):
         for r in self.active.values():
             (dec if r.state is _DECODING else pre).append(r)
         return pre + dec
-
-
-SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
-
-
-def make_scheduler(config: ContinuousBatchingConfig, cache: CacheManager) -> Scheduler:
-    """The scheduler named by `config.scheduler_type`.
-
-    Raises:
-        ValueError: for an unknown name, listing the choices.
-    """
-    cls = SCHEDULERS.get(config.scheduler_type)
-    if cls is None:
-        raise ValueError(f"scheduler_type must be one of {', '.join(map(repr, SCHEDULERS))}; "
-                         f"got {config.scheduler_type!r}")
-    return cls(config, cache)
