@@ -334,11 +334,18 @@ class ContinuousBatchingConfig:
         Only fields that the installed transformers version knows are passed; the cbnb-only `prefix_eviction` is
         dropped.
         """
+        self._check_transformers_scheduler()
         from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
 
         hf_fields = {f.name for f in fields(HFConfig)}
         kwargs = {k: v for k, v in self.transformers_dict().items() if k in hf_fields}
         return HFConfig(**kwargs)
+
+    def _check_transformers_scheduler(self) -> None:
+        if self.scheduler_type not in ("fifo", "prefill_first"):
+            raise ValueError(f"scheduler_type={self.scheduler_type!r} is cbnb's simulation of vLLM's scheduler; "
+                             "transformers has no such scheduler (it would fall back to FIFO silently): export it "
+                             "with cbnb.export.to_vllm, or set scheduler_type='fifo' or 'prefill_first'")
 
     def transformers_dict(self) -> dict[str, Any]:
         """The transformers fields and their values (deprecated ones left out when None)."""
@@ -353,16 +360,20 @@ class ContinuousBatchingConfig:
     def to_code(self, *, only_changed: bool = True) -> str:
         """Ready-to-paste transformers code, e.g. ``ContinuousBatchingConfig(page_size=16, ...)``.
 
-        With `only_changed`, fields equal to transformers' defaults are left out.
+        With `only_changed`, fields equal to transformers' defaults are left out. scheduler_type="vllm" (no
+        transformers scheduler) is left out too, with a comment saying so.
         """
         default = ContinuousBatchingConfig()
         parts = []
         for name, v in self.transformers_dict().items():
-            if only_changed and getattr(default, name) == v:
+            if (only_changed and getattr(default, name) == v) or (name == "scheduler_type" and v == "vllm"):
                 continue
             parts.append(f"{name}={v!r}")
         body = ",\n    ".join(parts)
         head = "from transformers.generation.configuration_utils import ContinuousBatchingConfig\n\n"
+        if self.scheduler_type == "vllm":
+            head += ("# scheduler_type='vllm' (cbnb's simulation of vLLM's scheduler) has no transformers equivalent: "
+                     "left out (FIFO)\n")
         if not parts:
             return head + "config = ContinuousBatchingConfig()"
         return head + f"config = ContinuousBatchingConfig(\n    {body},\n)"

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from ..export.vllm import to_vllm
 from ..sim.fleet import Fleet
 from ..sim.profiles import load_profile
 from .driver import RequestRecord
@@ -54,6 +55,26 @@ class FleetRun:
     error: str | None = None
     wall_s: float = 0.0
     fleet: Any = None
+
+
+    def commands(self, model: str | None = None, *, port: int = 8000) -> list[str]:
+        """The fleet as `vllm serve` commands, one per replica on its own GPUs and port (`cbnb.export.to_vllm` with
+        ``--tensor-parallel-size``; the cache pinned as simulated), then a comment naming the router's choice."""
+        if self.fleet is None:
+            raise ValueError(f"{self.candidate} was not simulated ({self.error}): nothing to export")
+        f, c = self.fleet, self.candidate
+        e = f.engines[0]
+        ex = to_vllm(e.user_config, model or e.model_id, resolved=e.config,
+                     tensor_parallel_size=c.tensor_parallel_size)
+        cmds = []
+        for r in range(c.replicas):
+            gpus = ",".join(str(g) for g in range(r * c.tensor_parallel_size, (r + 1) * c.tensor_parallel_size))
+            cmds.append(f"CUDA_VISIBLE_DEVICES={gpus} {ex.command} --port {port + r}")
+        how = {"round_robin": "request i to replica i mod N",
+               "least_loaded": "each request to the replica with the fewest requests in flight"}[c.router]
+        ports = f"{port}" if c.replicas == 1 else f"{port}-{port + c.replicas - 1}"
+        cmds.append(f"# router: {c.router} ({how}) over ports {ports}")
+        return cmds
 
 
 @dataclass

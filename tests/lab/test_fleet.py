@@ -32,6 +32,11 @@ def test_the_cheapest_fleet_meeting_the_slo_is_the_first_that_meets_it_in_cost_o
     text = str(fast)
     assert str(fast.best.candidate) in text and "Error band: datasheet: unverified" in text
     assert fast.band_pct is None and fast.best.robust is None
+    cmds = full.best.commands("meta-llama/Llama-3.1-70B")
+    tp, n = full.best.candidate.tensor_parallel_size, full.best.candidate.replicas
+    assert len(cmds) == n + 1 and cmds[-1].startswith("# router: least_loaded")
+    assert all(f"--tensor-parallel-size {tp}" in c and "vllm serve meta-llama/Llama-3.1-70B" in c for c in cmds[:-1])
+    assert cmds[0].startswith("CUDA_VISIBLE_DEVICES=" + ",".join(map(str, range(tp)))) and "--port 8000" in cmds[0]
     rows = fast.table()
     assert {"fleet", "gpus", "meets_slo", "ttft_s_p90"} <= set(rows[0])
 
