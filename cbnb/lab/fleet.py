@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from ..core.config import ContinuousBatchingConfig
 from ..export.vllm import to_vllm
 from ..sim.fleet import Fleet
 from ..sim.profiles import load_profile
@@ -190,7 +191,8 @@ def plan_fleet(shape: Any, workload: Any, slo: SLO, *, gpus: Iterable[str] = ("h
         slo: the latency objective; `attainment_pct`: the share of requests that must meet it.
         gpus, tensor_parallel, replicas: the candidates (every combination).
         router: "round_robin" or "least_loaded".
-        config: the engine config of every replica (a `ContinuousBatchingConfig`; None: defaults).
+        config: the engine config of every replica (a `ContinuousBatchingConfig`; None: the defaults with vLLM's
+            policy, ``scheduler_type="vllm", prefix_eviction="lru"``, since the answer is exported to vLLM).
         gpu_hour_usd: price per GPU-hour by kind (None: cost = GPU count).
         exhaustive: simulate every candidate, not only up to the first cost level that meets the SLO.
 
@@ -202,6 +204,8 @@ def plan_fleet(shape: Any, workload: Any, slo: SLO, *, gpus: Iterable[str] = ("h
     if isinstance(attainment_pct, bool) or not 0 < attainment_pct <= 100:
         raise ValueError(f"attainment_pct must be in (0, 100]; got {attainment_pct!r}")
     gpus = list(gpus)
+    if config is None:
+        config = ContinuousBatchingConfig(scheduler_type="vllm", prefix_eviction="lru")
     t_start = time.perf_counter()
     arrivals = list(workload.arrival_s) or [0.0] * len(workload.prompts)
     max_new = [int(m) for m in workload.max_new_tokens]
@@ -240,3 +244,36 @@ def _bands(gpus: list[str]) -> tuple[str, float | None]:
     parts = [error_band(g) for g in gpus]
     pcts = [p for _, p in parts]
     return "; ".join(t for t, _ in parts), (None if any(p is None for p in pcts) else max(pcts))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m cbnb.lab.fleet``: the cheapest fleet for a Poisson chat traffic (prints the table and the answer)."""
+    import argparse
+
+    from . import traffic as tr
+    from .workloads import synthetic
+
+    ap = argparse.ArgumentParser(description="The cheapest simulated fleet (GPU kind x TP x replicas) meeting an SLO.")
+    ap.add_argument("--model", default="llama-3.1-70b")
+    ap.add_argument("--gpu", action="append", help="GPU profile (repeatable; default h100-sxm)")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    ap.add_argument("--ttft", type=float, default=0.5, help="SLO: TTFT seconds")
+    ap.add_argument("--tpot", type=float, default=0.05, help="SLO: TPOT seconds")
+    ap.add_argument("--attainment", type=float, default=90.0, help="percent of requests that must meet the SLO")
+    ap.add_argument("--exhaustive", action="store_true", help="simulate every candidate")
+    a = ap.parse_args(argv)
+    wl = synthetic("chat", a.requests, tr.Poisson(a.rate), tr.LogNormal(1000, 0.8, 32, 8000),
+                   tr.LogNormal(200, 0.8, 16, 1000), vocab_size=32000, seed=0)
+    ans = plan_fleet(a.model, wl, SLO(ttft_s=a.ttft, tpot_s=a.tpot), gpus=a.gpu or ("h100-sxm",),
+                     attainment_pct=a.attainment, exhaustive=a.exhaustive)
+    for row in ans.table():
+        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print(ans)
+    if ans.best is not None:
+        print("\n".join(ans.best.commands()))
+    print(f"answered in {ans.wall_s:.1f} s (host)")
+
+
+if __name__ == "__main__":
+    main()
