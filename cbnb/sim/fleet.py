@@ -11,8 +11,8 @@ NCCL's performance notes, `busbw = algbw x 2 (n - 1) / n`):
 
     t = latency_s + 2 (tp - 1) / tp x bytes / bandwidth      (0 for tp = 1)
 
-with the link's one-direction bandwidth per GPU and a fixed latency per call (`INTERCONNECTS`: datasheet bandwidths;
-the latencies are assumed). The all-reduce time is added to the step's compute through the profile's
+with the link's one-direction bandwidth per GPU and a fixed latency per call (the profile's `interconnect_bandwidth`
+and `interconnect_latency_s`: datasheet bandwidths in the bundled GPU profiles, the latencies assumed). The all-reduce time is added to the step's compute through the profile's
 `cost_factors["compute"]` curve (a factor by step tokens), so the cost model prices it without a change of its own;
 `allreduce_step_s` gives the added seconds. Elementwise operators (norms, residuals) are replicated on every GPU and
 keep one GPU's rate. Not modelled: KV heads replicated when `tp` exceeds the model's KV heads, pipeline parallelism,
@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..core.config import ContinuousBatchingConfig
-from .cost import CostModel, StepLoad
+from .cost import CostModel
+from .loads import StepLoad
 from .engine import SimEngine
 from .profiles import HardwareProfile, load_profile
 from .shapes import ModelShape, load_shape
 
-__all__ = ["Interconnect", "INTERCONNECTS", "ROUTERS", "allreduce_s", "allreduce_step_s", "tensor_parallel", "Fleet"]
+__all__ = ["Interconnect", "link_of", "ROUTERS", "allreduce_s", "allreduce_step_s", "tensor_parallel", "Fleet"]
 
 
 @dataclass(frozen=True)
@@ -56,30 +57,24 @@ class Interconnect:
     source: str
 
 
-_NVLINK_LATENCY = ("latency assumed, not from a datasheet: ~8 us per small all-reduce inside one NVLink node, the "
-                   "order of magnitude nccl-tests report for 8 GPUs; unverified")
-_PCIE_LATENCY = "latency assumed, not from a datasheet: ~15 us per small all-reduce over PCIe; unverified"
-
-#: The link of each bundled GPU profile (datasheet figures; unverified against measured all-reduce times).
-INTERCONNECTS: dict[str, Interconnect] = {
-    "h100-sxm": Interconnect("NVLink 4", 450e9, 8e-6,
-                             "datasheet: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet "
-                             "(H100 SXM: NVLink 900GB/s, both directions; one direction = 450 GB/s); " + _NVLINK_LATENCY),
-    "h200": Interconnect("NVLink 4", 450e9, 8e-6,
-                         "datasheet: https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: NVLink 900GB/s, both "
-                         "directions; one direction = 450 GB/s); " + _NVLINK_LATENCY),
-    "a100-80gb": Interconnect("NVLink 3", 300e9, 8e-6,
-                              "datasheet: https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM: NVLink 600GB/s, "
-                              "both directions; one direction = 300 GB/s); " + _NVLINK_LATENCY),
-    "l4": Interconnect("PCIe Gen4 x16", 32e9, 15e-6,
-                       "datasheet: https://www.nvidia.com/en-us/data-center/l4/ (PCIe Gen4 x16 64GB/s, both directions; "
-                       "no NVLink); " + _PCIE_LATENCY),
-    "rtx-4090": Interconnect("PCIe Gen4 x16", 32e9, 15e-6,
-                             "datasheet: PCIe 4.0 x16 (64 GB/s both directions; the RTX 4090 has no NVLink); "
-                             + _PCIE_LATENCY),
-}
-
 ROUTERS: tuple[str, ...] = ("round_robin", "least_loaded")
+
+
+def link_of(profile: Any) -> Interconnect:
+    """The GPU link a profile records (`interconnect_bandwidth`, `interconnect_latency_s`, their sources).
+
+    Raises:
+        ValueError: the profile has no interconnect figures (pass ``link=Interconnect(...)``, or set them).
+    """
+    p = load_profile(profile)
+    if p.interconnect_bandwidth is None:
+        raise ValueError(f"profile {p.name!r} has no interconnect_bandwidth (the GPU-to-GPU link a tensor-parallel "
+                         "group's all-reduces use): set it, or pass link=Interconnect(...)")
+    src = dict(p.sources)
+    how = src.get("interconnect_bandwidth", "not cited")
+    return Interconnect(f"{p.name} link", float(p.interconnect_bandwidth),
+                        float(p.interconnect_latency_s or 0.0),
+                        f"{how}; {src.get('interconnect_latency_s', 'latency not cited')}")
 
 
 def allreduce_s(nbytes: float, tp: int, link: Interconnect) -> float:
@@ -119,11 +114,11 @@ def tensor_parallel(profile: Any, tp: int, shape: Any, config: ContinuousBatchin
         shape: the model (the all-reduce sizes depend on its layers, hidden size and dtype).
         config: the engine config (its token budget bounds the all-reduce curve; its CUDA graphs and page size as the
             cost model reads them).
-        link: the GPU link; default `INTERCONNECTS[profile.name]`.
+        link: the GPU link; default the profile's (`link_of`).
 
     Raises:
-        ValueError: `tp` is not an integer >= 1 or does not divide the model's heads; no link is known for the
-            profile (pass `link=`).
+        ValueError: `tp` is not an integer >= 1 or does not divide the model's heads; the profile records no link
+            (pass `link=`).
     """
     base = load_profile(profile)
     shape = load_shape(shape)
@@ -131,10 +126,7 @@ def tensor_parallel(profile: Any, tp: int, shape: Any, config: ContinuousBatchin
     if tp == 1:
         return base
     if link is None:
-        link = INTERCONNECTS.get(base.name.split("-tp")[0])
-        if link is None:
-            raise ValueError(f"no interconnect is known for profile {base.name!r} (known: "
-                             f"{', '.join(INTERCONNECTS)}): pass link=Interconnect(...)")
+        link = link_of(base)
     group = dataclasses.replace(
         base, name=f"{base.name}-tp{tp}", memory_bytes=base.memory_bytes * tp, reserved_bytes=base.reserved_bytes * tp,
         peak_flops={k: v * tp for k, v in base.peak_flops.items()}, memory_bandwidth=base.memory_bandwidth * tp,
@@ -166,7 +158,7 @@ class Fleet:
         tensor_parallel_size: GPUs per replica.
         replicas: number of engines.
         router: "round_robin" or "least_loaded" (`ROUTERS`).
-        link: the GPU link (default: the profile's, `INTERCONNECTS`).
+        link: the GPU link (default: the profile's, `link_of`).
 
     Attributes:
         engines: the replicas (`SimEngine`); profile: the TP group's profile; base_profile: one GPU's;

@@ -9,10 +9,10 @@ from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab import traffic as tr
 from cbnb.lab.workloads import synthetic
 from cbnb.sim import CostModel, StepLoad, load_profile, load_shape
-from cbnb.sim.fleet import INTERCONNECTS, Fleet, allreduce_s, allreduce_step_s, tensor_parallel
+from cbnb.sim.fleet import Fleet, allreduce_s, allreduce_step_s, link_of, tensor_parallel
 
 SHAPE = load_shape("llama-3.1-70b")
-NVLINK = INTERCONNECTS["h100-sxm"]
+NVLINK = link_of("h100-sxm")
 
 
 def test_ring_allreduce_formula():
@@ -20,7 +20,8 @@ def test_ring_allreduce_formula():
     assert allreduce_s(1e6, 8, NVLINK) == pytest.approx(NVLINK.latency_s + 2 * 7 / 8 * 1e6 / 450e9)
     # two per layer over tokens x hidden x 2 bytes
     assert allreduce_step_s(SHAPE, 100, 4, NVLINK) == pytest.approx(160 * allreduce_s(100 * 8192 * 2, 4, NVLINK))
-    assert "datasheet" in NVLINK.source and "assumed" in NVLINK.source
+    assert NVLINK.bandwidth == 450e9 and NVLINK.latency_s == 8e-6
+    assert "datasheet" in NVLINK.source and "NVLink" in NVLINK.source and "assumed" in NVLINK.source
 
 
 def test_a_tp_group_splits_weights_and_kv_and_pays_the_allreduces():
@@ -30,7 +31,7 @@ def test_a_tp_group_splits_weights_and_kv_and_pays_the_allreduces():
     assert tp4.name == "h100-sxm-tp4" and tp4.memory_bytes == 4 * one.memory_bytes
     assert tp4.memory_bandwidth == 4 * one.memory_bandwidth
     assert tp4.peak_flops["bfloat16"] == 4 * one.peak_flops["bfloat16"]
-    assert "NVLink" in tp4.sources["tensor_parallel"]
+    assert "NVLink 900GB/s" in tp4.sources["tensor_parallel"]
     # The step's price (CUDA graphs on, as served) is the split roofline plus the all-reduces, at the curve's token
     # counts.
     cfg = ContinuousBatchingConfig().resolve("cuda")
@@ -54,7 +55,8 @@ def test_bad_tensor_parallel_sizes_and_unknown_links_are_named():
         tensor_parallel("h100-sxm", 0, SHAPE)
     import dataclasses
     custom = dataclasses.replace(load_profile("h100-sxm"), name="my-gpu")
-    with pytest.raises(ValueError, match="no interconnect is known for profile 'my-gpu'.*pass link="):
+    custom = dataclasses.replace(custom, interconnect_bandwidth=None)
+    with pytest.raises(ValueError, match="profile 'my-gpu' has no interconnect_bandwidth.*pass link="):
         tensor_parallel(custom, 2, SHAPE)
     with pytest.raises(ValueError, match="router must be one of 'round_robin', 'least_loaded'"):
         Fleet(SHAPE, "h100-sxm", tensor_parallel_size=4, router="random")
