@@ -25,9 +25,9 @@ CORE = ["cbnb.core", "cbnb.core.config", "cbnb.core.requests", "cbnb.core.sampli
         "cbnb.engine.engine_like", "cbnb.engine.detok",
         "cbnb.lab.workloads"]
 # The simulator: importable (and usable) on a machine without torch.
-SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.loop",
+SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.engine", "cbnb.sim.arrivals",
        "cbnb.sim.playback", "cbnb.sim.calibrate", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.clock",
-       "cbnb.sim.heatmap", "cbnb.sim.compare", "cbnb.sim.executor", "cbnb.sim.driving"]
+       "cbnb.sim.heatmap", "cbnb.sim.compare", "cbnb.sim.executor", "cbnb.sim.driving", "cbnb.sim.build"]
 
 
 def _loaded_after(code: str) -> set[str]:

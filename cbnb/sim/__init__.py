@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from .calibrate import calibrate  # the function, bound after the submodule loads (so it never shadows it)
 from .cost import CostModel, RowLoad, StepCost, StepLoad
-from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationPaused, SimulationStuck
+from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationStuck
 from .profiles import PROFILE_NAMES, HardwareProfile, load_profile
 from .shapes import SHAPE_NAMES, ModelShape, load_shape
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "HardwareProfile", "load_profile", "PROFILE_NAMES", "CostModel",
            "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck",
-           "SimulationPaused", "SIM_TOKEN", "calibrate"]
+           "SIM_TOKEN", "calibrate"]
 
