@@ -47,7 +47,7 @@ from .phases import LoopState
 from ..core.generation import REQUEST_ARGS, GenerationDefaults
 from .prompts import prompt_ids, prompt_preview, sampling_params
 from ..core.requests import Request, SamplingParams
-from ..lab.runs import RunLog
+from ..telemetry.runs import RunLog
 from .shell import EngineShell
 from .step_mode import ThreadedStepMode
 from .stops import StopMatcher

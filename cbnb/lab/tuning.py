@@ -37,7 +37,7 @@ use, when the engine has them:
 ``records_reconfigures``   True: ``reconfigure`` writes its own "reconfigure" entry into ``engine.runs``
                            (`cbnb.Engine` does); otherwise `reconfigure` here writes it
 ``runs``                   the engine's `RunLog`; an object without one gets it set as an attribute on first use
-                           (`cbnb.lab.runs.run_log`)
+                           (`cbnb.telemetry.runs.run_log`)
 ``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb"; the
                            simulator: "sim-<profile>", whose single runs `best` knows to be deterministic)
 ``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .driver import Driver
 from ..engine.engine_like import marks_runs
 from .metrics import DEFINITIONS, FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
-from .runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
+from ..telemetry.runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
 
 __all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
            "workload_info"]
@@ -249,7 +249,7 @@ class SweepResult:
 
     def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
         """One row per point (and workload): its changes, n, ``<figure>_median/_min/_max``, and for simulated runs a
-        ``prediction`` column (`cbnb.lab.runs.provenance_text`: datasheet / fitted from N runs +- error /
+        ``prediction`` column (`cbnb.telemetry.runs.provenance_text`: datasheet / fitted from N runs +- error /
         calibrated)."""
         groups = self.groups(workload)
         df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])

@@ -45,7 +45,7 @@ from ..engine.handle import check_timeout
 from ..engine.phases import LoopState
 from ..engine.prompts import prompt_ids, prompt_preview, sampling_params
 from ..core.requests import Request, RequestOutput
-from ..lab.runs import RunLog
+from ..telemetry.runs import RunLog
 from ..engine.shell import EngineShell
 from ..telemetry.recorder import Recorder
 from .arrivals import Arrivals, SimulationStuck, VirtualClock
