@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="= --use-async-batching")
     v.add_argument("--enforce-eager", action="store_true", help="= --no-use-cuda-graph")
     v.add_argument("--scheduling-policy", choices=["fcfs"], default=None,
-                   help="fcfs = --scheduler-type fifo (cbnb has no priority policy)")
+                   help="fcfs = --scheduler-type vllm (vLLM V1's scheduling policy, in cbnb's core; cbnb has no "
+                   "priority policy)")
     v.add_argument("--max-model-len", type=int, default=None,
                    help="prompt plus generated tokens at most (sets --max-prompt-tokens and --max-tokens-limit "
                    "when they are not given)")
@@ -136,6 +137,11 @@ def config_of(args: argparse.Namespace) -> Any:
              if getattr(args, f.name, None) is not None}
     if getattr(args, "enforce_eager", False):
         given["use_cuda_graph"] = False
+    if getattr(args, "scheduling_policy", None) == "fcfs":  # what `vllm serve --scheduling-policy fcfs` runs
+        if given.get("scheduler_type", "vllm") != "vllm":
+            raise ValueError(f"--scheduling-policy fcfs is scheduler_type 'vllm'; got --scheduler-type "
+                             f"{given['scheduler_type']!r} too")
+        given["scheduler_type"] = "vllm"
     return ContinuousBatchingConfig(**given)
 
 

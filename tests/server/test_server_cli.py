@@ -42,6 +42,8 @@ def test_config_flags_and_their_vllm_aliases():
                                 "--num-gpu-blocks-override", "100", "--max-num-queued-reqs", "64"]))
     assert (c.max_requests_per_batch, c.max_memory_percent, c.use_cuda_graph, c.num_blocks, c.max_queue_size) == (
         8, 0.5, False, 100, 64)
+    assert config_of(p.parse_args(["m", "--scheduling-policy", "fcfs"])).scheduler_type == "vllm"
+    assert config_of(p.parse_args(["m", "--scheduler-type", "prefill_first"])).scheduler_type == "prefill_first"
     with pytest.raises(ValueError, match="page_size"):
         config_of(p.parse_args(["m", "--page-size", "0"]))
 
