@@ -28,6 +28,7 @@ import hmac
 import itertools
 import logging
 import queue
+import sys
 import time
 import uuid
 from typing import Any, Callable
@@ -38,7 +39,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import protocol, responses
-from .. import __version__
 from .counters import ServerCounters
 from .metrics import CONTENT_TYPE, EngineCollector, render
 from .protocol import ApiError, GenerationRequest
@@ -252,7 +252,8 @@ def build_app(ctx: ServerContext) -> Any:
         return await _guarded(ctx, request, "responses")
 
     async def version(request: Request) -> Response:
-        return JSONResponse({"version": __version__, "server": "cbnb"})
+        # the package is imported before any of its modules (no import of it here: tests/test_imports.py)
+        return JSONResponse({"version": sys.modules["cbnb"].__version__, "server": "cbnb"})
 
     async def ping(request: Request) -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
         return await health(request)

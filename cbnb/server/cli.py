@@ -152,15 +152,16 @@ def _snippet(url: str, model: str, key: str | None) -> str:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    import cbnb
+    from ..engine.engine import Engine
+    from ..engine.models import load_model
 
-    model, tok = cbnb.load_model(args.model, dtype=args.dtype if args.dtype not in (None, "auto") else None,
-                                 device=args.device)
+    model, tok = load_model(args.model, dtype=args.dtype if args.dtype not in (None, "auto") else None,
+                            device=args.device)
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    return cbnb.Engine(model, tokenizer=tok, config=config_of(args))
+    return Engine(model, tokenizer=tok, config=config_of(args))
 
 
 def serve_main(argv: Sequence[str]) -> int:
