@@ -282,3 +282,24 @@ def test_langchain_agent_tool_round_trip(served, responses_api):
     for chunk in streamed[1:]:
         merged = merged + chunk
     assert merged.tool_calls[0]["name"] == "get_weather" and merged.tool_calls[0]["args"] == ai.tool_calls[0]["args"]
+
+
+def test_responses_sdk_helpers_parse_and_stream(client):
+    """The SDK's own helpers over the Responses API: `responses.parse(text_format=Model)` (a strict json_schema
+    text.format) and `responses.stream(...)`'s accumulated final response."""
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        ok: bool
+        grade: Literal["a", "b"]
+
+    r = client.responses.parse(model="tiny", input="judge", text_format=Verdict, max_output_tokens=60, temperature=0)
+    assert isinstance(r.output_parsed, Verdict)
+    tools = [{"type": "function", "name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}}]
+    with client.responses.stream(model="tiny", input="call f", tools=tools, tool_choice="required",
+                                 max_output_tokens=80, temperature=0) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert kinds[-1] == "response.completed" and final.status == "completed"
+    assert [(o.type, json.loads(o.arguments)["a"] in ("x", "y")) for o in final.output] == [("function_call", True)]
