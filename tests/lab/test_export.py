@@ -216,3 +216,26 @@ def test_transformers_serve_flags_parse_with_the_installed_cli():
 def test_defaults_export_cleanly(target):
     ex = TARGETS[target](C())
     assert ex.ok and ex.flags and ex.report().splitlines()[1] == ex.command
+
+
+def test_the_last_parser_check_is_of_todays_exports_and_passed():
+    """scripts/check_exports.py ran every export through vLLM 0.33's EngineArgs.from_cli_args and
+    create_engine_config, and through transformers serve's parser; its committed result must be of the commands
+    the exporters emit now (re-run the script when an exporter changes) and every one must have passed."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("check_exports", pathlib.Path(__file__).resolve().parents[2]
+                                                  / "scripts" / "check_exports.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    data = json.loads(mod.OUT.read_text())
+    assert data["exports"] == mod.exports(), "the exporters changed: re-run scripts/check_exports.py"
+    assert data["vllm"]["wheel"].startswith(f"vllm-{vllm.VERSION}-")
+    for target in ("vllm", "transformers-serve"):
+        results = data[target]["results"]
+        assert [r["config"] for r in results] == [name for name, _ in mod.configs()]
+        assert all(r["ok"] for r in results), results
+    by_name = {r["config"]: r["read_back"] for r in data["vllm"]["results"]}
+    assert by_name["tuned"]["kv_cache_memory_bytes"] == 512 * 16 * 30 * 2 * 3 * 64 * 2
+    assert by_name["tuned"]["num_gpu_blocks_override"] is None and by_name["short cache"]["max_model_len"] == 2048
