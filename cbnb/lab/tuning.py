@@ -565,7 +565,7 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         others = _listed([f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied])
         if simulated:  # the figures are equal
             text = (f"Exact tie on {label} (a deterministic simulation, one run per point): {top[0]} "
-                    f"{_rng(top[1], top[2], top[3], digits)} equals {others}.")
+                    f"{_rng(top[1], top[2], top[3], digits)} equals {others}.{_sim_band(groups)}")
         else:
             text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} "
                     f"overlaps {others} (median [min-max] over {runs_txt}).")
@@ -584,6 +584,7 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         if "datasheet" in kinds:
             note += (" A datasheet profile (never checked on the device): trust the ranking of configs, not the "
                      "absolute figures.")
+        note += _sim_band(groups)
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
             f"{runs_txt}; no range overlaps the winner's).{note}{skip_txt}")
@@ -592,6 +593,13 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
 
 #: Figures that count requests meeting the SLO: all 0 means no run met it (`best` says so instead of a tie).
 SLO_FIGURES = ("goodput_requests_per_s", "goodput_steady_requests_per_s", "slo_met", "slo_attainment_pct")
+
+
+def _sim_band(groups: list[list[Run]]) -> str:
+    """" Simulated on h100-sxm: <its error band>." for simulated runs ("" for measured ones)."""
+    labels = sorted({f"{r.provenance.get('profile', '')}: {provenance_text(r.provenance)}" for g in groups for r in g
+                     if _simulated(r) and getattr(r, "provenance", None)})
+    return f" Simulated on {'; '.join(labels)}." if labels else ""
 
 
 def _empty(run: Run) -> bool:

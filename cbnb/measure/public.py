@@ -223,3 +223,44 @@ def error_band(profile: Any) -> str:
     if t["kind"] == "datasheet":
         return "datasheet: unverified"
     return "custom profile: unverified"
+
+
+#: The last fit written into the bundled profiles (``--save``): its per-point table, read by `error_band`'s users.
+RESULT_PATH = POINTS_PATH.with_name("fit_result.json")
+
+
+def save_fit(fit: PublicFit, gpus: Sequence[str] = GPUS, *, date: str | None = None) -> list[pathlib.Path]:
+    """Write `fit` into the bundled profiles of `gpus` (their four factors, the factors' sources, and provenance
+    kind "fitted" with the median |leave-one-out error| as ``loo_error_pct``) and its table into `RESULT_PATH`.
+
+    Returns:
+        the files written.
+    """
+    import time
+
+    from ..sim import profiles as _profiles
+
+    date = date or time.strftime("%Y-%m-%d")
+    band = fit.band()
+    fitted_errs = [abs(e) for r in fit.rows for e in r["errors_pct"].values()]
+    src = (f"fitted by cbnb.measure.public (python -m cbnb.measure.validate --gpu --save, {date}) to {band['points']} "
+           f"public vLLM points (cbnb/sim/data/public/vllm_points.json), one set of factors shared by "
+           f"{', '.join(gpus)}; median |leave-one-out error| {band['loo_error_pct']:.1f} % over {band['figures']} "
+           "held-out figures")
+    prov = {"kind": "fitted", "runs": band["points"], "error_pct": round(statistics.median(fitted_errs), 1),
+            "loo_error_pct": band["loo_error_pct"],
+            "details": {"public": True, "figures": band["figures"], "date": date,
+                        "result": "cbnb/sim/data/public/fit_result.json",
+                        "command": "python -m cbnb.measure.validate --gpu"}}
+    written = []
+    for gpu in gpus:
+        path = _profiles._DATA / f"{gpu}.json"
+        d = json.loads(path.read_text())
+        d.update({k: float(f"{v:.6g}") for k, v in fit.factors.items()})
+        d["sources"] = {**d.get("sources", {}), **{k: src for k in _FACTORS}}
+        d["provenance"] = prov
+        path.write_text(json.dumps(d, indent=1) + "\n")
+        written.append(path)
+    RESULT_PATH.write_text(json.dumps({"date": date, "factors": fit.factors, "band": band, "evaluations": fit.evaluations,
+                                       "rows": fit.rows}, indent=1) + "\n")
+    return written + [RESULT_PATH]
