@@ -31,8 +31,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["PublicPoint", "load_points", "predict_point", "fit_public", "PublicFit", "POINTS_PATH", "GPUS",
-           "error_band"]
+__all__ = ["PublicPoint", "load_points", "predict_point", "fit_public", "save_fit", "PublicFit", "POINTS_PATH",
+           "RESULT_PATH", "GPUS"]
 
 POINTS_PATH = pathlib.Path(__file__).resolve().parents[1] / "sim" / "data" / "public" / "vllm_points.json"
 #: The bundled profiles the public points cover.
@@ -205,24 +205,6 @@ def fit_public(points: Sequence[PublicPoint] | None = None, *, base: str = "h100
             rows[i]["loo_errors_pct"] = _errors(lp, p.measured)
     fitted = fit_vllm._apply(base_p, x)
     return PublicFit({k: getattr(fitted, k) for k in _FACTORS}, rows, evals)
-
-
-def error_band(profile: Any) -> str:
-    """The one-line trust band every simulated figure on `profile` carries: "±18 % on 6 held-out public points"
-    for a fitted profile, "datasheet: unverified" for one never checked against a device, the validation figure
-    for a calibrated CPU profile."""
-    from ..sim.profiles import load_profile
-
-    t = load_profile(profile).trust()
-    if t["kind"] == "fitted" and t.get("loo_error_pct") is not None:
-        n = t.get("runs")
-        return f"±{t['loo_error_pct']:.0f} % on {n} held-out public points" if (t.get("details") or {}).get(
-            "public") else f"±{t['loo_error_pct']:.0f} % leave-one-out on {n} vLLM runs"
-    if t["kind"] == "calibrated" and t.get("error_pct") is not None:
-        return f"calibrated here: ±{t['error_pct']:.0f} % wall time in the last validation"
-    if t["kind"] == "datasheet":
-        return "datasheet: unverified"
-    return "custom profile: unverified"
 
 
 #: The last fit written into the bundled profiles (``--save``): its per-point table, read by `error_band`'s users.

@@ -31,7 +31,7 @@ ten minutes on a quiet 2-core machine); ``--gpu --save`` writes the fit into the
 
 ``--predict PROFILE`` prints the simulator's prediction for nanovllm-256 (shape qwen3-0.6b, bf16, all requests at
 0) on a bundled profile, e.g. ``h200``, with no torch and no run to compare against; the text carries the profile's error
-band (`cbnb.measure.public.error_band`).
+band (`cbnb.sim.HardwareProfile.error_band`).
 
 Targets (the design's): median absolute per-step error <= 15 %, wall-time error <= 10 %. The figures are only as
 good as the machine is quiet: the table prints the load average before and after; on a busy 2-core machine,
@@ -308,14 +308,14 @@ def _spread(walls: list[float] | None) -> str:
 
 
 def _prediction_text(p: dict[str, Any]) -> str:
-    from .public import error_band
+    from ..sim.profiles import load_profile
 
     return (f"prediction (simulated, not measured): {p['workload']} ({p['requests']} requests at t=0) on {p['profile']}, "
             f"shape {p['shape']} {p['dtype']}, page_size {p['page_size']}, num_blocks {p['num_blocks']}, "
             f"async batching {'on' if p['async_batching'] else 'off'}: {p['steps']} steps, wall {p['wall_s']:.2f} s, "
             f"{p['output_tokens_per_s']:,.0f} output tok/s, TTFT p50 {p['ttft_s_p50']:.2f} s, "
             f"TPOT p50 {1000 * p['tpot_s_p50']:.1f} ms (simulated in {p['sim_host_s']:.1f} s here). "
-            f"Profile {p['profile']}: {error_band(p['profile'])} (those points are of an 8B model in bfloat16: "
+            f"Profile {p['profile']}: {load_profile(p['profile']).error_band()} (those points are of an 8B model in bfloat16: "
             "another model is an extrapolation).")
 
 

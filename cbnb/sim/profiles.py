@@ -204,6 +204,24 @@ class HardwareProfile:
                             f"{out['details'].get('load_average_before')}): recalibrate when it is idle")
         return out
 
+    def error_band(self, shape: Any = None, dtype: Any = None) -> str:
+        """The one-line trust band every simulated figure on this profile carries: "±6 % on 6 held-out public
+        points" (fitted to public vLLM points, `cbnb.measure.public`), "±3 % leave-one-out on 4 vLLM runs" (fitted
+        to yours), "calibrated here: ±15 % wall time in the last validation", "datasheet: unverified", or
+        "... not this model: unverified" for a CPU profile calibrated at another model (`trust` with `shape`)."""
+        t = self.trust(shape, dtype) if shape is not None else self.trust()
+        err = t.get("loo_error_pct") if t.get("loo_error_pct") is not None else t.get("error_pct")
+        if t["kind"] == "fitted" and err is not None:
+            if (t.get("details") or {}).get("public"):
+                return f"±{err:.0f} % on {t.get('runs')} held-out public points"
+            return f"±{err:.0f} % leave-one-out on {t.get('runs')} vLLM runs"
+        if t["kind"] == "calibrated":
+            if (t.get("details") or {}).get("other_model"):
+                return f"calibrated at {t['details']['other_model']}, not this model: unverified"
+            return f"calibrated here: ±{err:.0f} % wall time in the last validation" if err is not None else \
+                "calibrated here"
+        return "datasheet: unverified" if t["kind"] == "datasheet" else f"{t['kind']} profile: unverified"
+
     def __post_init__(self) -> None:
         check_profile(self)
 

@@ -42,3 +42,25 @@ def test_the_fit_reports_a_leave_one_out_error_per_point():
         sorted(abs(e) for r in fit.rows for e in r["loo_errors_pct"].values())[1])
     text = fit.report()
     assert "median |leave-one-out error|" in text and all(p.source.split()[0] in text for p in pts)
+
+
+def test_the_error_band_each_kind_of_profile_carries():
+    assert load_profile("l4").error_band() == "datasheet: unverified"
+    fitted = load_profile("l4").replace(provenance={"kind": "fitted", "runs": 6, "error_pct": 3.0,
+                                                    "loo_error_pct": 5.6, "details": {"public": True}})
+    assert fitted.error_band() == "±6 % on 6 held-out public points"
+    mine = fitted.replace(provenance={"kind": "fitted", "runs": 4, "loo_error_pct": 3.2})
+    assert mine.error_band() == "±3 % leave-one-out on 4 vLLM runs"
+
+
+def test_a_simulators_dashboard_says_its_error_band():
+    pytest.importorskip("ipywidgets")
+    from cbnb.sim import SimEngine
+    from cbnb.ui import Dashboard
+
+    sim = SimEngine("llama-3.1-8b", "l4")
+    d = Dashboard(sim, start=False)
+    try:
+        assert d.controls.message == "Simulated on l4: datasheet: unverified."
+    finally:
+        d.close()
