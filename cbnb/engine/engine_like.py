@@ -3,7 +3,7 @@
 `cbnb.Engine` (a model on a wall clock) and `cbnb.sim.SimEngine` (a cost model on a virtual clock) are one shell
 (`cbnb.engine.shell.EngineShell`) and follow this protocol; the HTTP server (`cbnb.server`), the tuning lab
 (`cbnb.lab.tuning`, `cbnb.lab.driver`) and the dashboard (`cbnb.ui`) are written against it. Other engine-likes (the
-transformers peer of `cbnb.lab.peers`, test fakes) offer a part of it: the helpers below say which part, from declared
+transformers peer of `cbnb.bench.engine_peer`, test fakes) offer a part of it: the helpers below say which part, from declared
 attributes, never from a signature.
 
 Attributes an engine declares:

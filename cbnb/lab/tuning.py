@@ -37,7 +37,7 @@ use, when the engine has them:
 ``records_reconfigures``   True: ``reconfigure`` writes its own "reconfigure" entry into ``engine.runs``
                            (`cbnb.Engine` does); otherwise `reconfigure` here writes it
 ``runs``                   the engine's `RunLog`; an object without one gets it set as an attribute on first use
-                           (`cbnb.lab.runs.run_log`)
+                           (`cbnb.telemetry.runs.run_log`)
 ``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb"; the
                            simulator: "sim-<profile>", whose single runs `best` knows to be deterministic)
 ``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
@@ -58,10 +58,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from .driver import Driver
+from .driver import Driver, stop_guard
 from ..engine.engine_like import marks_runs
 from .metrics import DEFINITIONS, FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
-from .runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
+from ..telemetry.runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
 
 __all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
            "workload_info"]
@@ -205,10 +205,11 @@ def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: f
     offline = with_arrivals(workload, Offline())
     rps, tps = [], []
     for _ in range(repeats):
-        cfg = getattr(engine, "user_config", None)
-        if cfg is not None and hasattr(engine, "reconfigure"):
-            reconfigure(engine, cfg)  # a fresh cache: no prefix hits from the previous repeat
-        run = run_workload(engine, offline, log=False, timeout=timeout, clock=clock)
+        with stop_guard(engine, "measure_capacity"):  # an interrupt between its runs is said too
+            cfg = getattr(engine, "user_config", None)
+            if cfg is not None and hasattr(engine, "reconfigure"):
+                reconfigure(engine, cfg)  # a fresh cache: no prefix hits from the previous repeat
+            run = run_workload(engine, offline, log=False, timeout=timeout, clock=clock)
         rps.append(run.metrics["requests_per_s"])
         tps.append(run.metrics["output_tokens_per_s"])
     return {"capacity_requests_per_s": spread(rps)[0], "max_requests_per_s": max(rps), "runs_requests_per_s": rps,
@@ -256,7 +257,7 @@ class SweepResult:
 
     def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
         """One row per point (and workload): its changes, n, ``<figure>_median/_min/_max``, and for simulated runs a
-        ``prediction`` column (`cbnb.lab.runs.provenance_text`: datasheet / fitted from N runs +- error /
+        ``prediction`` column (`cbnb.telemetry.runs.provenance_text`: datasheet / fitted from N runs +- error /
         calibrated)."""
         groups = self.groups(workload)
         df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
@@ -334,12 +335,13 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         wl = wls[wname]
         full, cfg = configs[p]
         try:
-            reconfigure(engine, cfg, log=log)
-            if warmup:
-                warm_up(engine, wl)
-            run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                               workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
-                               max_concurrency=max_concurrency)
+            with stop_guard(engine, "sweep"):  # an interrupt between its runs (reconfigure, warm-up) is said too
+                reconfigure(engine, cfg, log=log)
+                if warmup:
+                    warm_up(engine, wl)
+                run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
+                                   workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
+                                   max_concurrency=max_concurrency)
         except (MemoryError, ValueError) as e:
             result.failed.append({"point": p, "repeat": rep, "workload": wname, "change": change_text(full),
                                   "error": f"{type(e).__name__}: {e}"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
-from cbnb.lab.runs import Run
+from cbnb.telemetry.runs import Run
 from cbnb.sim import SimEngine
 from cbnb.sim.profiles import VALIDATION, load_profile
 from cbnb.lab.tuning import best, provenance, run_workload, sweep

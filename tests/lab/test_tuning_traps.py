@@ -8,7 +8,7 @@ import pytest
 
 from cbnb import tuning
 from cbnb.core.config import ContinuousBatchingConfig as C
-from cbnb.lab.runs import RunLog
+from cbnb.telemetry.runs import RunLog
 from cbnb.sim import HardwareProfile, SimEngine
 from cbnb.lab.traffic import Fixed, Offline, Poisson, Uniform
 from cbnb.lab.tuning import best, run_workload, sweep

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..lab.metrics import FIGURE_LABELS, higher_is_better
-from ..lab.runs import provenance_text, spread
+from .metrics import FIGURE_LABELS, higher_is_better
+from ..telemetry.runs import provenance_text, spread
 
 __all__ = ["HeatmapGrid", "heatmap_grid", "heatmap"]
 
