@@ -31,7 +31,7 @@ def test_the_cheapest_fleet_meeting_the_slo_is_the_first_that_meets_it_in_cost_o
     assert all(r.meets is False for r in full.runs if r.cost < cheapest and r.meets is not None)
     text = str(fast)
     # h100-sxm is fitted to the public vLLM points: its band is their leave-one-out error
-    assert str(fast.best.candidate) in text and "Error band: ±6 % (leave-one-out on 6 points" in text
+    assert str(fast.best.candidate) in text and "Error band: ±6 % on 6 held-out public points (profile 'h100-sxm')" in text
     assert fast.band_pct == 5.6 and fast.best.robust is not None
     cmds = full.best.commands("meta-llama/Llama-3.1-70B")
     tp, n = full.best.candidate.tensor_parallel_size, full.best.candidate.replicas
