@@ -7,7 +7,7 @@
     d = Driver(engine, workload).start(); ...; d.wait()  # or in the background (the notebook stays free)
 
 The engine protocol: what the driver reads from an engine-like object (`cbnb.Engine` and `cbnb.sim.SimEngine`
-implement it, as part of `cbnb.engine.engine_like.EngineLike`; `cbnb.lab.peers.HFContinuousBatching` too). Nothing else
+implement it, as part of `cbnb.engine.engine_like.EngineLike`; `cbnb.bench.engine_peer.HFContinuousBatching` too). Nothing else
 is touched.
 
 - ``engine.submit(prompt, max_new_tokens=n, **submit_kwargs) -> handle``: one call per request, at its arrival

@@ -99,7 +99,7 @@ class LoadCurve:
         engine: the engine's run-log name ("cbnb", "sim-h100-sxm", ...).
         kind: "rate" (open loop, requests/s) or "concurrency" (closed loop, requests in flight).
         loads: the load of each point, rising.
-        runs: the `cbnb.lab.runs.Run` of each point.
+        runs: the `cbnb.telemetry.runs.Run` of each point.
         points: per point {"load", and `CURVE_FIGURES`}.
         knee_rule: {"method", "k", "figure"}: how `knee_index` was found.
         knee_index: the knee's point (None: too few usable points).

@@ -85,6 +85,9 @@ class Dashboard(widgets.VBox):
                           self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
+        if callable(getattr(getattr(engine, "profile", None), "error_band", None)):  # a simulator: its error band
+            self.controls.show(f"Simulated on {engine.profile.name}: {engine.profile.error_band(engine.shape)}.",
+                               "info")
         if not self.controls.routed and in_kernel():
             why = self.live
             self.controls.show(why[:1].upper() + why[1:] + ".", "info")
