@@ -1,7 +1,11 @@
 """`Dashboard(SimEngine)` in a real JupyterLab, driven through headless Debian Chromium.
 
-A notebook builds a simulated llama-3.1-8b on an H100 profile with 300 Poisson arrivals, opens the unchanged
-`cbnb.ui.Dashboard` on it and starts the simulation at 1.5x simulated time. The test checks that the panels animate
+A notebook builds a simulated llama-3.1-8b on an H100 profile with 400 Poisson arrivals at 2 per second (about 200
+simulated seconds of traffic, over two minutes of wall time at 1.5x) and one request an hour later, opens the
+unchanged `cbnb.ui.Dashboard` on it and starts the simulation at 1.5x simulated time. The traffic outlasts the checks
+made at its pace on a loaded machine, and the late request means Step always finds work: a Step with nothing due moves
+the clock to the next arrival (before, 300 arrivals at 10 per second ended ~26 wall seconds after the start, and on a
+slow machine the step-mode checks met a finished simulation, whose Step rightly says "Nothing to step"). The test checks that the panels animate
 (the board's finished rows, the plots' steps, the KV page map and the simulated clock all move between two looks),
 that the page map shows the simulated cache, that the Submit panel's workload button submits to the simulator and
 those requests finish, that Pause / Step / Resume step the simulation one simulated step per click, and takes 1440x900 screenshots in the light and dark themes while it runs. A second notebook runs a caller-driven simulation in a cell (`sim.run()`): Pause holds that cell, Step runs one step in it, Resume lets it finish.
@@ -20,12 +24,15 @@ from .lab import ARTIFACTS, Lab, open_notebook, run_all, settle, skip_reason, sw
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
+N_TRAFFIC = 400  # Poisson arrivals at 2 per second, plus the late request
+
 CELLS = [
     "import os\nos.setpriority(os.PRIO_PROCESS, 0, 10)  # Chromium shares the cores: let it draw first",
     "from cbnb.sim import SimEngine\nfrom cbnb.measure.scale import poisson_requests\nfrom cbnb.ui import Dashboard\n\n"
     "sim = SimEngine('llama-3.1-8b', 'h100-sxm')\n"
-    "for i, (t, ids, n) in enumerate(poisson_requests(300, 10.0, vocab=sim.vocab_size)):\n"
-    "    sim.submit(ids, n, request_id=f'p{i}', arrival_s=t)\nsim",
+    f"for i, (t, ids, n) in enumerate(poisson_requests({N_TRAFFIC}, 2.0, vocab=sim.vocab_size)):\n"
+    "    sim.submit(ids, n, request_id=f'p{i}', arrival_s=t)\n"
+    "sim.submit(list(range(100, 164)), 16, request_id='late', arrival_s=3600.0)  # Step always finds work\nsim",
     "dash = Dashboard(sim)\ndash",
     "sim.start(speed=1.5)  # 1.5 simulated seconds per wall second",
 ]
@@ -82,6 +89,7 @@ def _step_mode(page, py) -> None:
     held = py("(sim.now, sim.core.step_id)")
     page.wait_for_timeout(500)  # wall time passes, the simulated clock and the step count stay
     assert py("(sim.now, sim.core.step_id)") == held
+    assert py("sim.core.has_work or len(sim._arrivals) > 0") == "True"  # (the late request, at least)
     for _ in range(3):
         page.locator(".cbnb-controls .cbnb-step").click()
         page.wait_for_function("""(n) => {
@@ -169,11 +177,13 @@ def test_dashboard_on_a_simulation_animates_and_submits(tmp_path, chromium):
             # They show on the board (live, or among the newest ended) ...
             page.wait_for_selector(f".cbnb-board tr[data-id='{ids[-1]}']", state="attached", timeout=30_000)
             py("setattr(sim, 'speed', None)")  # the rest of the traffic as fast as possible: what ends is checked
-            assert py("sim.wait_idle(120)") == "True"
+            deadline = time.monotonic() + 600  # (the side channel's own timeout is 30 s: ask in short waits)
+            while py("sim.wait_idle(5)") != "True":
+                assert time.monotonic() < deadline, "the rest of the traffic did not finish"
             states = py(f"sorted({{o.state.name for o in sim.outputs() if o.request_id in {ids!r}}})")
             assert states == "['FINISHED']", states  # ... and finish in the simulation
             finished = py("sum(o.state.name == 'FINISHED' for o in sim.outputs())")
-            assert int(finished) == 300 + len(ids)
+            assert int(finished) == N_TRAFFIC + 1 + len(ids)
             assert py("dash.poller.errors") == "[]"
             assert errors == [], errors
             (ARTIFACTS / "sim_dashboard.json").write_text(json.dumps({"first": first, "second": second}))
