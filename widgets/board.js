@@ -19,6 +19,8 @@ const BOARD_TIPS = {
   sampling: "logits processors and sampling the request applies, in order",
   source: "who sent the request: http <client address> for the HTTP server; – for a call from Python",
 };
+// Cells that say what they are without a label in the narrow (card) layout.
+const BOARD_UNLABELLED = new Set(["id", "prompt_text", "state", "output_tokens"]);
 // transformers sets DECODING when the last prompt chunk is scheduled, before its forward: until that step ends the
 // request is DECODING with no token yet.
 const BOARD_FIRST_TOKEN_TIP = "DECODING since its last prompt chunk was scheduled (as in transformers); the first "
@@ -90,6 +92,7 @@ function render({ model, el }) {
       const firstToken = state === "DECODING" && !r[ix.output_tokens];
       for (const c of order(cols)) {
         const td = cbnbEl("td", `cbnb-col-${c}`);
+        if (!BOARD_UNLABELLED.has(c)) td.dataset.label = BOARD_HEADERS[c] || c;
         const v = r[ix[c]];
         if (c === "state") {
           td.append(cbnbStateBadge(v));
@@ -132,7 +135,22 @@ function render({ model, el }) {
       return tr;
     });
     tbody.replaceChildren(...trs);
+    fit();
     cbnbRecordRender(model, "board");
+  };
+  // A table too wide for its box (2x on a projector, beside JupyterLab's file browser) would scroll sideways and
+  // hide its right columns: then each request shows as a card whose fields wrap onto lines, each with its name
+  // (cbnb.css, .cbnb-board-narrow). Measured as a table each time the rows, the width or the font scale change.
+  // (Not while the board is not laid out: JupyterLab skips the layout of cells off screen, and a width of 0 would
+  // read as "fits"; the ResizeObserver fits it again once it has a width.)
+  const fit = () => {
+    if (!wrap.clientWidth) return;
+    wrap.classList.remove("cbnb-board-narrow");
+    const need = wrap.scrollWidth, have = wrap.clientWidth, over = need > have + 1;
+    wrap.classList.toggle("cbnb-board-narrow", over);
+    f.root.dataset.layout = over ? "cards" : "table";
+    (f.root.__cbnbFits = f.root.__cbnbFits || []).push([need, have]);  // (read by the browser tests)
+    if (f.root.__cbnbFits.length > 50) f.root.__cbnbFits.splice(0, 25);
   };
   // One set of listeners on the body: rows are rebuilt on every update.
   const rowOf = (e) => e.target.closest && e.target.closest("tr[data-id]");
@@ -159,9 +177,17 @@ function render({ model, el }) {
   window.addEventListener("pointercancel", release, true);
   const names = ["rows", "counts", "hidden", "note", "engine_state", "selected", "columns"];
   for (const n of names) model.on(`change:${n}`, schedule);
+  let ro = null, lastW = 0;
+  if (typeof ResizeObserver !== "undefined") {
+    ro = new ResizeObserver(() => { const w = wrap.clientWidth; if (w !== lastW) { lastW = w; if (w) schedule(); } });
+    ro.observe(wrap);
+  }
+  globalThis.addEventListener("cbnb:presentation", schedule);
   draw();
   return () => {
     f.cleanup();
+    if (ro) ro.disconnect();
+    globalThis.removeEventListener("cbnb:presentation", schedule);
     for (const n of names) model.off(`change:${n}`, schedule);
     window.removeEventListener("pointerup", release, true);
     window.removeEventListener("pointercancel", release, true);

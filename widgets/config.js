@@ -53,6 +53,15 @@ function initialize({ model }) {
   cbnbTrackLatency(model, "config");
 }
 
+// The code box wraps a long line between words and after the dots of a dotted name
+// ("transformers.generation.configuration_utils": <wbr>, which adds nothing to the copied text), so it never scrolls
+// sideways beside the file browser or at 2x.
+function cfgSetCode(pre, text) {
+  if (pre.textContent === text) return;
+  pre.replaceChildren();
+  for (const part of text.split(/(?<=\.)/)) pre.append(document.createTextNode(part), document.createElement("wbr"));
+}
+
 function render({ model, el }) {
   const f = cbnbFrame(el, model, "cbnb-config", "Config");
   const cols = cbnbEl("div", "cbnb-config-cols");
@@ -239,7 +248,7 @@ function render({ model, el }) {
     const text = model.get("code") || "";
     code.classList.toggle("cbnb-code-invalid", !!m.error);
     // While an edit is invalid there is no code for it: never show the code of older values.
-    code.textContent = m.error ? `# not valid yet: ${m.error}\n# (the code appears once the values are valid)` : text;
+    cfgSetCode(code, m.error ? `# not valid yet: ${m.error}\n# (the code appears once the values are valid)` : text);
     drawMemory(m);
   };
 

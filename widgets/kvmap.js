@@ -189,6 +189,17 @@ function render({ model, el }) {
     const { state, refcount } = stateAt(hovered.group, hovered.block);
     hovered.local = `group ${hovered.group} · block ${hovered.block} · ${state}` + (refcount ? ` · refcount ${refcount}` : "");
     tip.textContent = hovered.local + (hovered.detail ? `\n${hovered.detail}` : "");
+    placeTip();
+  };
+  // The tip sits below-right of the pointer, or above (left) where it would cross the bottom (right) of the maps:
+  // it never covers the panel's message line nor runs past the panel's edge, where the output area clips it.
+  let pointer = null;
+  const placeTip = () => {
+    if (!pointer || tip.style.display === "none") return;
+    const rootBox = f.root.getBoundingClientRect(), gridBox = grids.getBoundingClientRect();
+    const tx = pointer[0] - rootBox.left, ty = pointer[1] - rootBox.top, tw = tip.offsetWidth, th = tip.offsetHeight;
+    tip.style.left = `${tx + 12 + tw <= rootBox.width ? tx + 12 : Math.max(0, tx - 12 - tw)}px`;
+    tip.style.top = `${ty + 12 + th <= gridBox.bottom - rootBox.top ? ty + 12 : Math.max(0, ty - 12 - th)}px`;
   };
 
   const onMove = (gi) => (e) => {
@@ -198,11 +209,9 @@ function render({ model, el }) {
     const col = Math.floor((e.clientX - r.left) / L.cell), row = Math.floor((e.clientY - r.top) / L.cell);
     const b = row * L.cols + col;
     if (col < 0 || col >= L.cols || b < 0 || b >= L.n) { tip.style.display = "none"; hovered = null; return; }
-    const rootBox = f.root.getBoundingClientRect();
     tip.style.display = "";
-    const tx = e.clientX - rootBox.left, tw = tip.offsetWidth;
-    tip.style.left = `${tx + 12 + tw <= rootBox.width ? tx + 12 : Math.max(0, tx - 12 - tw)}px`;
-    tip.style.top = `${e.clientY - rootBox.top + 12}px`;
+    pointer = [e.clientX, e.clientY];
+    placeTip();
     if (hovered && hovered.group === gi && hovered.block === b) return;
     hovered = { group: gi, block: b, seq: ++seq, detail: "" };
     L_updateTip();

@@ -426,10 +426,11 @@ def test_why_colours_an_end_as_the_timeline_does(page, tiny_engine):
 
 
 # ---------------------------------------------------------------------------------------------- issue 40, item 7
-@pytest.mark.parametrize("width,scale", [(1050, 1.0), (1300, 2.0)])
+@pytest.mark.parametrize("width,scale", [(1050, 1.0), (1300, 2.0), (1010, 2.0)])
 def test_board_fits_beside_the_file_browser_and_at_2x(page, tiny_engine, width, scale):
     """The board needed horizontal scrolling at 2x on a 1440-wide screen (notebook ~1300 px) and at 1x with
-    JupyterLab's file browser open (~1000 px): its columns now fit, "source" included."""
+    JupyterLab's file browser open (~1000 px): its columns now fit, "source" included. At 2x beside the file browser
+    (~980 px) no table of its columns fits: each request is then a card whose named fields wrap, source included."""
     from cbnb.core.requests import RequestOutput, RequestState
     from cbnb.ui.board import RequestBoardPanel
     from cbnb.ui.state import request_rows
@@ -452,9 +453,14 @@ def test_board_fits_beside_the_file_browser_and_at_2x(page, tiny_engine, width, 
             set_theme(page, dark)
             page.wait_for_timeout(100)
             fit = page.evaluate("""() => { const w = document.querySelector('.cbnb-table-wrap');
-                const src = document.querySelector('.cbnb-board th.cbnb-col-source').getBoundingClientRect();
-                return [w.scrollWidth, w.clientWidth, src.right, w.getBoundingClientRect().right]; }""")
-            assert fit[0] <= fit[1] + 1 and fit[2] <= fit[3] + 1, fit  # no sideways scroll; "source" inside
+                const cards = w.classList.contains('cbnb-board-narrow');
+                const src = document.querySelector(cards ? '.cbnb-board td.cbnb-col-source'
+                                                          : '.cbnb-board th.cbnb-col-source').getBoundingClientRect();
+                return [w.scrollWidth, w.clientWidth, src.right, w.getBoundingClientRect().right, src.width,
+                        cards]; }""")
+            # no sideways scroll; "source" inside; a table wherever one fits
+            assert fit[0] <= fit[1] + 1 and fit[2] <= fit[3] + 1 and fit[4] > 0, fit
+            assert fit[5] == (width < 1100 and scale == 2.0), fit
             page.screenshot(path=str(ARTIFACTS / f"harness-board-{width}px-{scale:g}x-{'dark' if dark else 'light'}"
                                                  ".png"))
     finally:
