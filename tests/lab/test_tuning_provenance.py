@@ -24,10 +24,10 @@ def test_datasheet_runs_say_so_and_the_summary_shows_it(capsys):
     sim = _sim()
     res = sweep(sim, WL, GRID, repeats=1)
     out = capsys.readouterr().out
-    assert "datasheet (unverified)" in out and "not vLLM" in out  # said where the user reads the sweep
+    assert "datasheet: unverified" in out and "not vLLM" in out  # said where the user reads the sweep
     prov = res.provenance
     assert prov["kind"] == "datasheet" and prov["profile"] == "h100-sxm" and prov["error_pct"] is None
-    assert set(res.summary()["prediction"]) == {"datasheet (unverified)"}
+    assert set(res.summary()["prediction"]) == {"datasheet: unverified"}
     v = best(res, "ttft_s_p50")
     assert v.model_error_pct is None and "datasheet profile" in v.text
     # The provenance survives the run log's JSON.
