@@ -20,10 +20,11 @@ CORE = ["cbnb.core", "cbnb.core.config", "cbnb.core.requests", "cbnb.core.sampli
         "cbnb.telemetry", "cbnb.telemetry.recorder", "cbnb.telemetry.events", "cbnb.telemetry.stats",
         "cbnb.telemetry.explain",
         # the engine's runner-agnostic parts, shared with the simulator: the loop, its phases, the inbox, handles,
-        # prompts, the step mode, stop strings, the shell both engines share, its protocol, incremental detokenizer
+        # prompts, the step mode, stop strings, the shell both engines share, its protocol, incremental detokenizer,
+        # the submit keywords' declaration
         "cbnb.engine", "cbnb.engine.inbox", "cbnb.engine.handle", "cbnb.engine.prompts", "cbnb.engine.phases",
         "cbnb.engine.loop", "cbnb.engine.step_mode", "cbnb.engine.stops", "cbnb.engine.shell",
-        "cbnb.engine.engine_like", "cbnb.engine.detok",
+        "cbnb.engine.engine_like", "cbnb.engine.detok", "cbnb.engine.submit_schema",
         "cbnb.lab.workloads"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.loads", "cbnb.sim.engine",

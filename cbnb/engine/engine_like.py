@@ -8,7 +8,8 @@ attributes, never from a signature.
 
 Attributes an engine declares:
 
-- ``submit_keywords``: the `submit` keywords it honours (a frozenset of names). `SimEngine` accepts every keyword of
+- ``submit_keywords``: the `submit` keywords it honours (a frozenset of names; both cbnb engines derive theirs from
+  the one declaration of the keywords, `cbnb.engine.submit_schema`). `SimEngine` accepts every keyword of
   `Engine.submit` but honours fewer (sampling is costed as greedy, a simulation has no logits nor text): the
   server refuses a request field whose keyword is missing here.
 - ``marks_runs``: `reset_stats(label, cause=..., marker=...)` records a `RunStarted` marker (run segments).

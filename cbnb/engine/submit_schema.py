@@ -129,6 +129,7 @@ _SIM_SIG = inspect.Signature(_parameters(_ORDER + (ARRIVAL_S,)))
 _DEFAULTS = {f.name: f.default for f in _ORDER[1:]}
 _SIM_DEFAULTS = {**_DEFAULTS, ARRIVAL_S.name: None}
 _KEYWORDS, _SIM_KEYWORDS = frozenset(_DEFAULTS), frozenset(_SIM_DEFAULTS)
+_POSITIONAL = tuple(f.name for f in _ORDER[1:] if f.positional)
 
 
 def signature(*, simulated: bool = False, returns: str = "RequestHandle") -> inspect.Signature:
@@ -145,6 +146,9 @@ def bind(prompt: Any, args: tuple, kwargs: dict[str, Any], *, simulated: bool = 
         TypeError: an unknown keyword, a keyword given twice, or too many positional arguments (Python's words).
     """
     defaults = _SIM_DEFAULTS if simulated else _DEFAULTS
+    if args and len(args) <= len(_POSITIONAL) and kwargs.keys().isdisjoint(_POSITIONAL[:len(args)]):
+        kwargs = {**dict(zip(_POSITIONAL, args)), **kwargs}  # (a positional max_new_tokens, without inspect)
+        args = ()
     if args or not kwargs.keys() <= (_SIM_KEYWORDS if simulated else _KEYWORDS):
         try:
             kwargs = (_SIM_SIG if simulated else _ENGINE_SIG).bind(prompt, *args, **kwargs).arguments

@@ -275,7 +275,8 @@ class SimEngine(SimDriving, EngineShell):
                 state.recorder.flush()
             if self._playback is not None:
                 self._playback.idle.clear()
-        self._arrivals.wake()
+        if self._arrivals.driver is not None:
+            self._arrivals.wake()  # a thread that runs the turns looks at it now (a hold, a paced idle wait)
         return handle
 
     submit.__signature__ = submit_schema.signature(simulated=True, returns="SimHandle")
