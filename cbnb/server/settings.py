@@ -40,6 +40,9 @@ class ServerSettings:
         max_body_bytes: largest request body (413 above it).
         max_prompt_tokens: largest prompt in tokens (400 above it); None: the model's context minus one.
         max_tokens_limit: largest `max_tokens` a request may ask (400 above it); None: the model's context.
+        max_model_len: prompt plus generated tokens at most, in tokens (vLLM's ``--max-model-len``): requests are
+            checked against it as against the model's context, and `/v1/models` reports it; None: the model's
+            context. It must not exceed the model's context (`Server.start` raises ValueError).
         max_concurrent_requests: generation requests in flight at once (429 above it).
         graceful_shutdown_s: seconds `stop()` waits for open responses before closing them.
 
@@ -55,6 +58,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
+    max_model_len: int | None = None
     max_concurrent_requests: int = 256
     graceful_shutdown_s: float = 3.0
 
@@ -70,6 +74,7 @@ class ServerSettings:
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_prompt_tokens", self.max_prompt_tokens, allow_none=True)
         _positive("max_tokens_limit", self.max_tokens_limit, allow_none=True)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_concurrent_requests", self.max_concurrent_requests)
         if not isinstance(self.graceful_shutdown_s, (int, float)) or not self.graceful_shutdown_s >= 0:
             raise ValueError(f"graceful_shutdown_s must be a number >= 0; got {self.graceful_shutdown_s!r}")

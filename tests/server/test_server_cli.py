@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from cbnb.server.cli import build_parser, config_of
+from cbnb.server.cli import _load, _notices, _template_text, build_parser, config_of, serve_main
 
 from helpers_engine import TIMEOUT
 
@@ -46,6 +46,53 @@ def test_config_flags_and_their_vllm_aliases():
     assert config_of(p.parse_args(["m", "--scheduler-type", "prefill_first"])).scheduler_type == "prefill_first"
     with pytest.raises(ValueError, match="page_size"):
         config_of(p.parse_args(["m", "--page-size", "0"]))
+
+
+def _refused(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        serve_main(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_vllm_flags_that_change_nothing_are_accepted_with_a_notice(capsys):
+    p = build_parser()
+    a = p.parse_args(["--model", "m", "--tensor-parallel-size", "1", "-pp", "1", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--enable-chunked-prefill", "--trust-remote-code",
+                      "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", "--enable-log-requests"])
+    assert a.model_flag == "m" and a.tensor_parallel_size == 1
+    said = "\n".join(_notices(a))
+    for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--enable-chunked-prefill", "--trust-remote-code",
+                 "--uvicorn-log-level", "--disable-uvicorn-access-log", "--enable-log-requests"):
+        assert f"{flag} is accepted and changes nothing" in said
+    assert _notices(p.parse_args(["m"])) == []
+    # refused before the model loads, each naming the flag the vLLM user typed
+    assert "--tensor-parallel-size (-tp) must be 1" in _refused(capsys, "m", "-tp", "2")
+    assert "--max-num-seqs: ContinuousBatchingConfig.max_requests_per_batch must be" in _refused(
+        capsys, "m", "--max-num-seqs", "0")
+    assert "--max-model-len: max_model_len must be an integer >= 1" in _refused(capsys, "m", "--max-model-len", "0")
+    assert "--chat-template: no file 'nope.jinja'" in _refused(capsys, "m", "--chat-template", "nope.jinja")
+    assert "the model is missing" in _refused(capsys, "--port", "0")
+    assert "unrecognized arguments: --quantization" in _refused(capsys, "m", "--quantization", "fp8")
+
+
+def test_chat_template_flag_sets_the_served_template(tmp_path):
+    from helpers_server import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert _template_text(template) == template  # the template itself, as vLLM takes it
+    args = build_parser().parse_args(["tiny:llama", "--tokenizer", str(tmp_path / "tok"), "--chat-template",
+                                      str(tmp_path / "t.jinja")])
+    args.chat_template = _template_text(args.chat_template)
+    engine = _load(args)
+    try:
+        assert engine.tokenizer.chat_template == template
+        assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == (
+            "<|im_start|>ab<|im_end|>")
+    finally:
+        engine.stop()
 
 
 def test_off_localhost_without_a_key_is_refused_before_loading():
