@@ -432,6 +432,8 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
             raise unsupported(field)
     if body.logit_bias and "logit_bias" not in engine_args:
         raise unsupported("logit_bias")
+    if body.use_beam_search:
+        raise unsupported("use_beam_search", " (beam search; sample n choices and compare their logprobs)")
     for field, neutral, arg in (("min_p", 0, "min_p"), ("repetition_penalty", 1, "repetition_penalty")):
         if getattr(body, field) not in (None, neutral) and arg not in engine_args:
             raise unsupported(field)

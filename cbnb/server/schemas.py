@@ -33,7 +33,8 @@ VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
                "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "priority",
                "request_id", "truncate_prompt_tokens", "prompt_logprobs", "add_special_tokens",
                "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
+               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "use_beam_search",
+               "length_penalty")
 # vLLM's chat-only fields: the chat template's options and chat echo (cbnb.server.extras).
 VLLM_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                     "echo", "documents")
@@ -80,6 +81,10 @@ class _Body(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # vLLM's beam search: false (its default, which clients send) is accepted; true is "not supported yet".
+    # length_penalty only weighs beams, so without beam search it changes nothing.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
     # vLLM's request and structured-output fields (cbnb.server.extras)
     priority: int | None = Field(None, ge=-INT64, lt=INT64)
     request_id: str | None = Field(None, min_length=1, max_length=256)
