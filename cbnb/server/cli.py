@@ -207,8 +207,21 @@ def _load(args: argparse.Namespace) -> Any:
     from ..engine.engine import Engine
     from ..engine.models import load_model
 
-    model, tok = load_model(args.model, dtype=args.dtype if args.dtype not in (None, "auto") else None,
-                            device=args.device)
+    dtype = args.dtype if args.dtype not in (None, "auto") else None
+    try:
+        model, tok = load_model(args.model, dtype=dtype, device=args.device)
+    except (OSError, ValueError) as e:
+        from .app import HF_IDS
+
+        bundled = {hf: name for name, hf in HF_IDS.items()}.get(args.model)
+        if bundled is None:
+            raise
+        # `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct` offline: cbnb ships that model, so serve its copy
+        print(f"cbnb: cannot fetch {args.model} from the hub ({str(e).splitlines()[0][:160]}); serving the "
+              f"bundled copy of the same model, {bundled}", file=sys.stderr, flush=True)
+        model, tok = load_model(bundled, dtype=dtype, device=args.device)
+        if args.model_name is None:
+            args.model_name = args.model  # clients name the id they gave, as with vLLM
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 

@@ -95,6 +95,30 @@ def test_chat_template_flag_sets_the_served_template(tmp_path):
         engine.stop()
 
 
+def test_the_hub_id_of_a_bundled_model_serves_its_copy_when_the_hub_is_unreachable(monkeypatch, capsys):
+    """`cbnb serve HuggingFaceTB/SmolLM2-135M-Instruct`, as a vLLM user types it, on a laptop offline."""
+    import cbnb.engine.models as models
+
+    real, asked, hf = models.load_model, [], "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    def offline(name, **kw):
+        asked.append(name)
+        if "/" in name:
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+        return real("tiny:llama", **kw)  # stands in for the bundled copy
+
+    monkeypatch.setattr(models, "load_model", offline)
+    args = build_parser().parse_args([hf])
+    engine = _load(args)
+    try:
+        assert asked == [hf, "smollm2-135m"] and args.model_name == hf
+        assert "serving the bundled copy of the same model, smollm2-135m" in capsys.readouterr().err
+    finally:
+        engine.stop()
+    with pytest.raises(OSError, match="couldn't connect"):  # any other hub id: the hub's own error
+        _load(build_parser().parse_args(["someone/other-model"]))
+
+
 def test_off_localhost_without_a_key_is_refused_before_loading():
     r = subprocess.run([*COMMAND, "tiny:llama", "--host", "0.0.0.0"], capture_output=True, text=True,
                        timeout=TIMEOUT, cwd=ROOT)
