@@ -163,7 +163,7 @@ class CompletionBody(_Body):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's limit is 5; vLLM's (--max-logprobs) 20
 
     @field_validator("prompt")
     @classmethod

@@ -155,6 +155,15 @@ def test_beam_search_fields_at_their_defaults_are_accepted(client):
         chat(client, extra_body={"use_beam_search": True})
 
 
+def test_completions_logprobs_up_to_vllms_limit(client):
+    """vLLM takes completions' logprobs up to 20 (its --max-logprobs), OpenAI's limit being 5."""
+    r = client.completions.create(model="tiny", prompt="the quick", max_tokens=2, temperature=0, logprobs=12)
+    tops = r.choices[0].logprobs.top_logprobs
+    assert len(tops) == 2 and all(len(t) >= 12 for t in tops)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 20"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, logprobs=21)
+
+
 # ------------------------------------------------------------------------------------------------ detokenization
 def test_skip_special_tokens_false_keeps_them_in_the_text(client):
     kw = dict(model="tiny", prompt="hello", max_tokens=3, temperature=0, logit_bias={"1": 100}, extra_body={})
