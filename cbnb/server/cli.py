@@ -198,9 +198,13 @@ def _template_text(value: str) -> str:
 
 
 def _snippet(url: str, model: str, key: str | None) -> str:
-    return (f"python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}', api_key='{key or 'none'}'); "
-            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
-            "max_tokens=32).choices[0].message.content)\"")
+    """A one-line openai call to the server. The key itself is never printed (consoles end up in logs and
+    screenshots): the snippet reads it from $CBNB_API_KEY, as the dashboard's snippets do."""
+    api_key = "os.environ['CBNB_API_KEY']" if key else "'none'"
+    return (f"python -c \"{'import os; ' if key else ''}from openai import OpenAI; c = OpenAI(base_url='{url}', "
+            f"api_key={api_key}); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', "
+            "'content': 'Hello'}], max_tokens=32).choices[0].message.content)\"" + (
+                "   (with CBNB_API_KEY set to the key)" if key else ""))
 
 
 def _load(args: argparse.Namespace) -> Any:

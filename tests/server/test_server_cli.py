@@ -119,6 +119,16 @@ def test_the_hub_id_of_a_bundled_model_serves_its_copy_when_the_hub_is_unreachab
         _load(build_parser().parse_args(["someone/other-model"]))
 
 
+def test_the_printed_snippet_never_shows_the_key():
+    from cbnb.server.cli import _snippet
+
+    line = _snippet("http://127.0.0.1:8000/v1", "foo", "sk-secret-123")
+    assert "sk-secret-123" not in line and "os.environ['CBNB_API_KEY']" in line
+    code = re.search(r'python -c "(.*)"', line).group(1)
+    compile(code, "<snippet>", "exec")  # valid Python as printed
+    assert "api_key='none'" in _snippet("http://127.0.0.1:8000/v1", "foo", None)
+
+
 def test_off_localhost_without_a_key_is_refused_before_loading():
     r = subprocess.run([*COMMAND, "tiny:llama", "--host", "0.0.0.0"], capture_output=True, text=True,
                        timeout=TIMEOUT, cwd=ROOT)
