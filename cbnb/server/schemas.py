@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .tools import ToolSpec
 
 __all__ = ["CompletionBody", "ChatCompletionBody", "ChatMessage", "TokenizeBody", "DetokenizeBody", "StreamOptions",
-           "LegacyFunction", "METADATA_FIELDS", "VLLM_FIELDS", "VLLM_CHAT_FIELDS", "MAX_CHOICES", "INT64"]
+           "LegacyFunction", "METADATA_FIELDS", "VLLM_FIELDS", "VLLM_CHAT_FIELDS", "VLLM_UNIMPLEMENTED",
+           "MAX_CHOICES", "INT64"]
 
 INT64 = 2**63
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -35,6 +36,10 @@ VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
                "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "use_beam_search",
                "length_penalty")
+# vLLM's request fields this server does not implement: 400 "not supported yet" (not "Unrecognized").
+VLLM_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "cache_salt", "logits_processors", "return_token_ids",
+                      "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs", "media_io_kwargs",
+                      "thinking_token_budget")
 # vLLM's chat-only fields: the chat template's options and chat echo (cbnb.server.extras).
 VLLM_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                     "echo", "documents")

@@ -115,3 +115,15 @@ def test_vllm_json_spellings_close_objects_as_vllms_default_backend_does():
     g = parse_request("chat", {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
         "name": "s", "schema": schema}}}, ENGINE_ARGS)
     assert not g.submit_kwargs["response_format"]["json_schema"].get("strict")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_vllm_fields_not_implemented_say_so(kind):
+    """A vLLM user's bad_words / allowed_token_ids / cache_salt are vLLM's, not unknown: 'not supported yet'."""
+    base = {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
+    for field, value in (("bad_words", ["no"]), ("allowed_token_ids", [1, 2]), ("cache_salt", "s")):
+        with pytest.raises(ApiError, match=f"not supported yet: {field}") as e:
+            parse_request(kind, {**base, field: value}, ENGINE_ARGS)
+        assert e.value.param == field
+    with pytest.raises(ApiError, match="Unrecognized request argument supplied: no_such_field"):
+        parse_request(kind, {**base, "no_such_field": 1}, ENGINE_ARGS)
