@@ -18,7 +18,7 @@ EXPECT = {
                                 "cbnb_kv_usage_blocks_ratio", "stopped"],
 }
 
-#: Notebooks a browser test runs whole (Run All, CBNB_CI=1) and checks against EXPECT: tests/ui/conftest.py's
+#: Notebooks a browser test runs whole (Run All at the class size) and checks against EXPECT: tests/ui/conftest.py's
 #: shared session (01) and tests/ui/test_lab_notebooks.py (03, 04). Headless, they run only where the browser
 #: tests cannot (tests/ui/lab.py's skip_reason).
 IN_BROWSER = ("01_quickstart.ipynb", "03_prefix_caching.ipynb", "04_offloading_and_soft_reset.ipynb")

@@ -7,7 +7,7 @@ import numpy as np
 
 from cbnb.core.cache.snapshot import BlockState, GroupSnapshot, KVSnapshot
 from cbnb.core.config import ContinuousBatchingConfig as C
-from cbnb.lab.runs import RunLog
+from cbnb.telemetry.runs import RunLog
 
 
 def synthetic_snapshot(n_blocks: int, n_requests: int = 500, seed: int = 0) -> KVSnapshot:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +20,16 @@ CORE = ["cbnb.core", "cbnb.core.config", "cbnb.core.requests", "cbnb.core.sampli
         "cbnb.telemetry", "cbnb.telemetry.recorder", "cbnb.telemetry.events", "cbnb.telemetry.stats",
         "cbnb.telemetry.explain",
         # the engine's runner-agnostic parts, shared with the simulator: the loop, its phases, the inbox, handles,
-        # prompts, the step mode, stop strings, the shell both engines share, its protocol, incremental detokenizer
+        # prompts, the step mode, stop strings, the shell both engines share, its protocol, incremental detokenizer,
+        # the submit keywords' declaration
         "cbnb.engine", "cbnb.engine.inbox", "cbnb.engine.handle", "cbnb.engine.prompts", "cbnb.engine.phases",
         "cbnb.engine.loop", "cbnb.engine.step_mode", "cbnb.engine.stops", "cbnb.engine.shell",
-        "cbnb.engine.engine_like", "cbnb.engine.detok",
+        "cbnb.engine.engine_like", "cbnb.engine.detok", "cbnb.engine.submit_schema",
         "cbnb.lab.workloads"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.loads", "cbnb.sim.engine",
-       "cbnb.sim.arrivals", "cbnb.sim.build", "cbnb.sim.playback", "cbnb.sim.clock", "cbnb.sim.heatmap",
-       "cbnb.sim.compare", "cbnb.sim.executor", "cbnb.sim.driving",
+       "cbnb.sim.arrivals", "cbnb.sim.build", "cbnb.sim.playback", "cbnb.sim.clock", "cbnb.sim.executor",
+       "cbnb.sim.driving",
        # measuring this machine (calibrate falls back to NumPy), and the old names kept as aliases
        "cbnb.measure", "cbnb.measure.calibrate", "cbnb.measure.validate", "cbnb.measure.scale",
        "cbnb.measure.fit_vllm", "cbnb.measure.rates", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.fit_vllm"]
@@ -57,8 +59,8 @@ def test_sim_imports_and_simulates_without_torch():
 
 # The tuning lab drives any engine-like object, the simulator's too: it imports no torch either.
 LAB = ["cbnb.lab", "cbnb.lab.traffic", "cbnb.lab.traces", "cbnb.lab.mooncake", "cbnb.lab.workloads", "cbnb.lab.driver",
-       "cbnb.lab.metrics", "cbnb.lab.runs", "cbnb.lab.tuning", "cbnb.lab.load_sweep", "cbnb.export", "cbnb.lab.peers",
-       "cbnb.tuning"]
+       "cbnb.lab.metrics", "cbnb.lab.runs", "cbnb.lab.tuning", "cbnb.lab.load_sweep", "cbnb.export",
+       "cbnb.lab.heatmap", "cbnb.lab.compare", "cbnb.telemetry.runs", "cbnb.tuning"]
 
 
 def test_tuning_lab_does_not_import_torch():
@@ -239,3 +241,82 @@ def test_runners_never_import_the_cache_manager_and_layer_by_device():
     assert {(m, d) for m, deps in runner.items() if not m.startswith(("cbnb.runner.cpu.", "cbnb.runner.cuda."))
             for d in deps if d.startswith("cbnb.runner.cuda.")} == {("cbnb.runner.factory",
                                                                      "cbnb.runner.cuda.cuda_runner")}
+
+
+# ---------------------------------------------------------------------------------------------- package layers
+def _package(module: str) -> str:
+    """cbnb.sim.cost -> cbnb.sim; cbnb.tuning -> cbnb.tuning (a top-level module is its own node)."""
+    return ".".join(module.split(".")[:2])
+
+
+#: Modules that only forward an old name to the package that now holds it (imported by nobody in cbnb).
+ALIASES = {"cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.fit_vllm", "cbnb.lab.runs"}
+#: The lazy conveniences that import a package above their own (inside a function, so never at import time):
+#: (importing package, imported package) -> where.
+LAZY_UP = {
+    ("cbnb.engine", "cbnb.server"): "EngineShell.serve() starts the HTTP server",
+    ("cbnb.sim", "cbnb.measure"): "cbnb.sim.calibrate, a lazy alias of cbnb.measure.calibrate (module __getattr__)",
+    ("cbnb.lab", "cbnb.measure"): "python -m cbnb.lab.load_sweep --profile calibrate calibrates this machine",
+}
+
+_RECORD = r'''
+import builtins, json, pkgutil, sys, importlib
+import cbnb
+edges = set()
+real = builtins.__import__
+def hook(name, globals=None, locals=None, fromlist=(), level=0):
+    me = (globals or {}).get("__name__", "")
+    if me.startswith("cbnb"):
+        if level:
+            base = me if (globals or {}).get("__path__") else me.rpartition(".")[0]
+            base = base.split(".")
+            base = ".".join(base[:len(base) - level + 1])
+            target = f"{base}.{name}" if name else base
+        else:
+            target = name
+        if target.startswith("cbnb"):
+            for t in [target] + [f"{target}.{f}" for f in fromlist or () if f != "*"]:
+                edges.add((me, t))
+    return real(name, globals, locals, fromlist, level)
+builtins.__import__ = hook
+names = sorted(m.name for m in pkgutil.walk_packages(cbnb.__path__, "cbnb.")
+               if m.name not in ALIASES and not m.name.endswith(".__main__"))  # a __main__ runs its command
+for m in names:
+    importlib.import_module(m)
+print(json.dumps(sorted(edges)))
+'''
+
+
+def _cycles_between_packages(edges: set[tuple[str, str]]) -> list[list[str]]:
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        pa, pb = _package(a), _package(b)
+        if pa != pb and pb != "cbnb" and pa != "cbnb":
+            graph.setdefault(pa, set()).add(pb)
+    return import_cycles(graph)
+
+
+def test_no_package_imports_one_that_imports_it_back_at_import_time():
+    # Every cbnb module imported in a fresh interpreter, each import statement that runs recorded (importing module,
+    # imported module): no cycle between packages. Lazy (function-level) imports do not run here.
+    code = f"ALIASES = {sorted(ALIASES)!r}\n" + _RECORD
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    edges = {tuple(e) for e in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert ("cbnb.engine.engine", "cbnb.telemetry.runs") in edges  # the recorder sees relative imports
+    cycles = _cycles_between_packages(edges)
+    assert cycles == [], f"packages that import each other at import time: {cycles}"
+    # In particular the old ones: the engine no longer imports the lab, the simulator neither lab nor measure.
+    pkgs = {(_package(a), _package(b)) for a, b in edges}
+    assert not {("cbnb.engine", "cbnb.lab"), ("cbnb.sim", "cbnb.lab"), ("cbnb.sim", "cbnb.measure"),
+                ("cbnb.lab", "cbnb.bench")} & pkgs
+
+
+def test_lazy_imports_up_the_layers_are_the_named_few():
+    # Function-level imports included (ast), the aliases left out: removing the named lazy conveniences leaves no
+    # cycle between packages, and each named one is still there (the list stays true).
+    graph = import_graph()
+    edges = {(a, b) for a, deps in graph.items() if a not in ALIASES for b in deps}
+    pkgs = {(_package(a), _package(b)) for a, b in edges}
+    assert set(LAZY_UP) <= pkgs
+    cycles = _cycles_between_packages({(a, b) for a, b in edges if (_package(a), _package(b)) not in LAZY_UP})
+    assert cycles == [], f"packages that import each other, lazy imports included: {cycles}"

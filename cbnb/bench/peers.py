@@ -155,7 +155,7 @@ def lone_prompts(workload, vocab_size: int, count: int = 3, seed: int = 0) -> li
 def hf_cb_manager(model, config, max_new_tokens: int):
     """transformers' continuous-batching manager for `model` with `config`'s values, started (greedy, EOS off).
 
-    Also used by `cbnb.lab.peers.HFContinuousBatching` (the notebook A/B with arrival times).
+    Also used by `cbnb.bench.engine_peer.HFContinuousBatching` (the notebook A/B with arrival times).
     """
     from transformers import GenerationConfig
 

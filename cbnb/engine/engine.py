@@ -27,13 +27,12 @@ comes back once no other engine uses the model. Keep the engine referenced while
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -47,8 +46,9 @@ from .phases import LoopState
 from ..core.generation import REQUEST_ARGS, GenerationDefaults
 from .prompts import prompt_ids, prompt_preview, sampling_params
 from ..core.requests import Request, SamplingParams
-from ..lab.runs import RunLog
+from ..telemetry.runs import RunLog
 from .shell import EngineShell
+from . import submit_schema
 from .step_mode import ThreadedStepMode
 from .stops import StopMatcher
 from .structured import request_grammar
@@ -260,20 +260,7 @@ class Engine(ThreadedStepMode, EngineShell):
         """
         return prompt_ids(prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size, chat=chat)
 
-    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               request_id: str | None = None, *, ignore_eos: bool | None = None, chat: bool | None = None,
-               source: str | None = None, min_p: float | None = None, min_new_tokens: int | None = None,
-               min_length: int | None = None, repetition_penalty: float | None = None,
-               frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
-               sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
-               suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
-               forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, response_format: dict | None = None,
-               json_schema: Any = None) -> RequestHandle:
+    def submit(self, prompt: Any, *args: Any, **kwargs: Any) -> RequestHandle:
         """Queue one request; thread-safe, callable from any thread. Starts the engine if it was never started.
 
         Every generation argument left None takes the engine's default (its `generation_config`, see
@@ -282,33 +269,7 @@ class Engine(ThreadedStepMode, EngineShell):
         formulas: `cbnb.core.sampling_params`.
 
         Args:
-            prompt: text, chat messages, token ids or a tokenizer output (see `encode`).
-            max_new_tokens: tokens to generate at most; None: up to the model's max positions.
-            do_sample, temperature, top_k, top_p, min_p, seed: sampling (greedy by default; a temperature of 0
-                or below 1e-5 is greedy; top_k=0 is no top-k).
-            eos_token_id: stop id(s); None: the generation config's, else the model's EOS.
-            request_id: a unique id (default: "req-N").
-            ignore_eos: never stop on EOS (benchmarks).
-            chat: apply the chat template to a text prompt (None: when the tokenizer has one).
-            source: who sent it (free text, at most `cbnb.core.requests.MAX_SOURCE_CHARS` characters), carried on the
-                request's outputs and shown on the dashboard's board; the HTTP server passes "http <host:port>".
-                None: a call from Python.
-            min_new_tokens, min_length, repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias,
-                suppress_tokens, begin_suppress_tokens, forced_bos_token_id, forced_eos_token_id: transformers'
-                logits processors (GenerationConfig's names and ranges).
-            frequency_penalty, presence_penalty: OpenAI's penalties in [-2, 2], over the generated tokens.
-            logit_bias: OpenAI's {token id: bias in [-100, 100]}, added to the logits.
-            stop: stop string(s): generation ends when one appears; the output text ends before it (needs a
-                tokenizer; see `cbnb.engine.stops`).
-            logprobs: 0..20: each token's logprob and that many most likely alternatives (`TokenLogprob`, in the
-                output and in every streamed delta); None: only when `config.return_logprobs` (then 0).
-            prompt_logprobs: 0..20: every prompt token's logprob under the model's raw distribution (no processors)
-                and that many alternatives, in `RequestOutput.prompt_logprobs` (None for the first token). Such a
-                request bypasses the prefix cache (a cached position has no logits), so it computes its whole
-                prompt; the CPU runner only (the CUDA runner refuses it).
-            response_format, json_schema: structured output (`cbnb.engine.structured`): OpenAI's ``response_format``
-                (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``), or a
-                JSON schema (dict, JSON text or pydantic model class); every token is masked by the grammar.
+{ARGS}
 
         Raises:
             TypeError: a prompt form that is not accepted, or a `source` that is not a string.
@@ -318,7 +279,10 @@ class Engine(ThreadedStepMode, EngineShell):
             queue.Full: when `config.max_queue_size` requests are already unfinished (0 = unbounded).
             EngineStoppedError: once `stop()` began, or after the engine died.
         """
-        args = {k: v for k, v in locals().items() if k in REQUEST_ARGS}
+        a = submit_schema.bind(prompt, args, kwargs)
+        prompt_logprobs, chat, request_id, source = a["prompt_logprobs"], a["chat"], a["request_id"], a["source"]
+        response_format, json_schema, eos_token_id = a["response_format"], a["json_schema"], a["eos_token_id"]
+        args = {k: a[k] for k in REQUEST_ARGS}
         if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
                                             or not 0 <= prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None; got {prompt_logprobs!r}")
@@ -347,8 +311,10 @@ class Engine(ThreadedStepMode, EngineShell):
         self._loop.submit(req, handle)
         return handle
 
+    submit.__signature__ = submit_schema.signature()  # help() and inspect.signature show every keyword
+    submit.__doc__ = submit.__doc__.replace("{ARGS}", submit_schema.args_doc())
     #: The `submit` keywords this engine honours (`cbnb.engine.engine_like`): all of them.
-    submit_keywords = frozenset(inspect.signature(submit).parameters) - {"self"}
+    submit_keywords = submit_schema.engine_keywords()
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state. True: it ends CANCELLED (blocks freed once) and no token reaches its

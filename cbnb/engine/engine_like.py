@@ -3,12 +3,13 @@
 `cbnb.Engine` (a model on a wall clock) and `cbnb.sim.SimEngine` (a cost model on a virtual clock) are one shell
 (`cbnb.engine.shell.EngineShell`) and follow this protocol; the HTTP server (`cbnb.server`), the tuning lab
 (`cbnb.lab.tuning`, `cbnb.lab.driver`) and the dashboard (`cbnb.ui`) are written against it. Other engine-likes (the
-transformers peer of `cbnb.lab.peers`, test fakes) offer a part of it: the helpers below say which part, from declared
+transformers peer of `cbnb.bench.engine_peer`, test fakes) offer a part of it: the helpers below say which part, from declared
 attributes, never from a signature.
 
 Attributes an engine declares:
 
-- ``submit_keywords``: the `submit` keywords it honours (a frozenset of names). `SimEngine` accepts every keyword of
+- ``submit_keywords``: the `submit` keywords it honours (a frozenset of names; both cbnb engines derive theirs from
+  the one declaration of the keywords, `cbnb.engine.submit_schema`). `SimEngine` accepts every keyword of
   `Engine.submit` but honours fewer (sampling is costed as greedy, a simulation has no logits nor text): the
   server refuses a request field whose keyword is missing here.
 - ``marks_runs``: `reset_stats(label, cause=..., marker=...)` records a `RunStarted` marker (run segments).

@@ -71,7 +71,7 @@ class LoopState(LoopStepMode):
     Args:
         builder: an `EngineBuilder` (anything with ``build(config, sink=, on_terminal=)`` returning
             `EngineParts`, and ``empty_device_cache()``): builds the parts for a config, at start and on every
-            reconfigure. The simulator's is `cbnb.sim.executor.SimBuilder` (its runner: the cost model).
+            reconfigure. The simulator's is `cbnb.sim.build.SimBuilder` (its runner: the cost model).
         recorder: the `Recorder` for events and stats (its clock is the loop's: wall or virtual).
         inbox: where submissions and control messages come from (default: a thread's `Inbox`; the simulator's
             `cbnb.sim.arrivals.Arrivals` releases requests by simulated time).

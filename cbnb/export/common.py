@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import shlex
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 __all__ = ["MappingRow", "Export", "mapping_table", "changed_fields", "NO_SERVING_EQUIVALENT", "cache_blocks",
-           "drop_unknown"]
+           "drop_unknown", "model_shape", "short_cache"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +149,48 @@ def drop_unknown(ex: Export, known: Any) -> None:
             out += toks[i:i + (2 if value else 1)]
         i += 2 if value else 1
     ex.flags[:] = out
+
+
+def model_shape(model: str, shape: Any = None) -> tuple[Any, str]:
+    """The served model's `cbnb.sim.ModelShape` (its K/V bytes per token and context length) and how it was found.
+
+    `shape` when given (a bundled shape name, a `ModelShape`, a transformers config or a config.json path); else
+    the model's config when `cbnb.sim.load_shape` finds it cached locally; else the bundled shape whose Hugging Face
+    id is `model` or a variant of it (``<id>-Instruct``); else (None, "").
+
+    Raises:
+        ValueError: `shape` is given and `cbnb.sim.load_shape` cannot read it.
+    """
+    from ..sim.shapes import SHAPE_NAMES, load_shape
+
+    if shape is not None:
+        s = load_shape(shape)
+        return s, f"shape {s.name}"
+    try:
+        s = load_shape(model)
+        return s, f"the cached config of {model}"
+    except ValueError:
+        pass
+    m = str(model).lower()
+    for name in SHAPE_NAMES:
+        s = load_shape(name)
+        hf = (s.hf_id or "").lower()
+        if hf and (m == hf or m.startswith(hf + "-")):
+            return s, f"the bundled shape {name} ({s.hf_id})"
+    return None, ""
+
+
+def short_cache(ex: Export, tokens: int, shape: Any, flag: str, page_size: int) -> None:
+    """When the cache holds fewer tokens than the model's context (`shape.max_position_embeddings`), cap the
+    served length with `flag` and warn: the target refuses to start when one request of the full context cannot
+    fit in its cache (vLLM: "max_model_len ... larger than the maximum number of tokens that can be stored in KV
+    cache")."""
+    ctx = getattr(shape, "max_position_embeddings", None)
+    if shape is None or not ctx or tokens >= ctx:
+        return
+    ex.add(flag, tokens)
+    msg = (f"the exported cache holds {tokens:,} tokens, less than {shape.name}'s context of {ctx:,}: {flag} "
+           f"{tokens} caps each request at the cache's size (the server would refuse to start otherwise); to serve "
+           f"the full context, give the cache num_blocks >= {-(-ctx // page_size):,} of {page_size} tokens")
+    ex.notes.append(msg)
+    warnings.warn(f"{ex.target} export: {msg}", UserWarning, stacklevel=3)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import NO_SERVING_EQUIVALENT, Export, MappingRow, cache_blocks, drop_unknown
+from .common import NO_SERVING_EQUIVALENT, Export, MappingRow, cache_blocks, drop_unknown, model_shape, short_cache
 from .flags import flag_list
 
 __all__ = ["to_sglang", "MAPPING", "CHECKED_AGAINST", "VERSION"]
@@ -77,7 +77,7 @@ MAPPING: tuple[MappingRow, ...] = (
 )
 
 
-def to_sglang(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Export:
+def to_sglang(config: Any, model: str = "MODEL", *, resolved: Any = None, shape: Any = None) -> Export:
     """SGLang server flags for `config`, every one an option of SGLang `VERSION` (fields left None are left to
     SGLang's own defaults, except the pool size).
 
@@ -86,6 +86,10 @@ def to_sglang(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Exp
         model: the ``--model-path`` argument.
         resolved: the config the engine ran with (``engine.config``, after sizing): its ``num_blocks`` gives
             ``--max-total-tokens`` when `config.num_blocks` is None.
+        shape: the served model's shape (`cbnb.export.common.model_shape`), for its context length.
+
+    Warns:
+        UserWarning: the pool holds fewer tokens than the model's context (``--context-length`` is added).
     """
     flags = flag_list("sglang", VERSION)
     ex = Export("sglang", CHECKED_AGAINST, "python -m sglang.launch_server --model-path", model)
@@ -99,6 +103,7 @@ def to_sglang(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Exp
         ex.add("--max-total-tokens", blocks * config.page_size)
         if how:
             ex.notes.append(f"--max-total-tokens {blocks * config.page_size}: {how}")
+        short_cache(ex, blocks * config.page_size, model_shape(model, shape)[0], "--context-length", config.page_size)
     if config.max_memory_percent is not None:
         ex.unmapped.append(("max_memory_percent", config.max_memory_percent,
                             "not --mem-fraction-static (weights + KV pool share of GPU memory); the pool size is "

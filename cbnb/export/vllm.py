@@ -5,7 +5,9 @@ Checked against vLLM 0.33.0: every flag emitted is in the option list read from 
 that release's source: `vllm/config/cache.py` (``block_size``: any int > 0, each attention backend checks the
 sizes it supports at start-up; ``gpu_memory_utilization`` in (0, 1], default 0.92, the share of the whole GPU for
 the model executor: weights, activations and KV; ``num_gpu_blocks_override``, which replaces the profiled block
-count; ``kv_cache_memory_bytes``; ``enable_prefix_caching``) and `vllm/config/scheduler.py` (``max_num_batched_tokens``,
+count and which vLLM documents as "used for testing preemption"; ``kv_cache_memory_bytes``, the KV cache per GPU
+in bytes, which overrides ``gpu_memory_utilization``; ``enable_prefix_caching``), `vllm/config/model.py`
+(``max_model_len``: at start-up vLLM refuses a cache that cannot hold one request of that length) and `vllm/config/scheduler.py` (``max_num_batched_tokens``,
 ``max_num_seqs``, ``max_num_queued_reqs``: requests in flight, waiting or running, beyond which the server answers
 HTTP 503; ``policy`` "fcfs" | "priority"; ``watermark`` in [0, 1): the fraction of all KV blocks kept free when
 admitting waiting or preempted requests; ``async_scheduling``). ``--swap-space`` is not an option of 0.33 (0.16 had
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import NO_SERVING_EQUIVALENT, Export, MappingRow, cache_blocks, drop_unknown
+from .common import NO_SERVING_EQUIVALENT, Export, MappingRow, cache_blocks, drop_unknown, model_shape, short_cache
 from .flags import flag_list
 
 __all__ = ["to_vllm", "MAPPING", "CHECKED_AGAINST", "VERSION"]
@@ -30,14 +32,16 @@ CHECKED_AGAINST = f"vLLM {VERSION}"
 MAPPING: tuple[MappingRow, ...] = (
     MappingRow("page_size", "--block-size", "same",
                "any positive integer in vLLM 0.33; the attention backend checks at start-up that it supports it"),
-    MappingRow("num_blocks", "--num-gpu-blocks-override", "same",
-               "the cache size cbnb ran with, in blocks of page_size tokens (with num_blocks=None, pass "
-               "resolved=engine.config to export the size the sizing chose); without it vLLM sizes the cache "
-               "from --gpu-memory-utilization"),
+    MappingRow("num_blocks", "--kv-cache-memory-bytes", "mapped",
+               "num_blocks x page_size x the model's K/V bytes per token per GPU (its dtype, vLLM's KV dtype "
+               "'auto'): vLLM builds the same number of blocks (with num_blocks=None, pass resolved=engine.config "
+               "to export the size the sizing chose; the model's shape comes from shape= or its config); plus "
+               "--max-model-len when the cache holds less than the model's context (with a warning); not "
+               "--num-gpu-blocks-override, a testing knob in vLLM's docs"),
     MappingRow("max_memory_percent", "", "none",
                "not exported: vLLM's --gpu-memory-utilization is the share of the whole GPU for weights + "
                "activations + KV (default 0.92), transformers' a share of free memory for KV + activations; the "
-               "cache size itself is exported as --num-gpu-blocks-override"),
+               "cache size itself is exported as --kv-cache-memory-bytes"),
     MappingRow("max_batch_tokens", "--max-num-batched-tokens", "same", ""),
     MappingRow("max_requests_per_batch", "--max-num-seqs", "same", ""),
     MappingRow("allow_block_sharing", "--enable-prefix-caching / --no-enable-prefix-caching", "same", ""),
@@ -89,7 +93,7 @@ def _graphs_off(v: Any) -> bool | None:
 
 
 def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None,
-            tensor_parallel_size: int | None = None) -> Export:
+            tensor_parallel_size: int | None = None, shape: Any = None) -> Export:
     """`vllm serve` flags for `config`, every one an option of vLLM `VERSION` (fields left None are left to vLLM's
     own defaults, except the cache size and the safety margin, which are exported as cbnb ran them).
 
@@ -100,6 +104,11 @@ def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None,
             when `config.num_blocks` is None, so vLLM builds the cache that was tuned.
         tensor_parallel_size: GPUs per engine (``--tensor-parallel-size``; a simulated fleet's,
             `cbnb.sim.fleet.Fleet`); None: not exported (vLLM's default, 1).
+        shape: the served model's shape (`cbnb.export.common.model_shape`: default the model's cached config or
+            the bundled shape of that Hugging Face id), for the cache's bytes and the model's context.
+
+    Warns:
+        UserWarning: the cache holds fewer tokens than the model's context (``--max-model-len`` is added).
     """
     flags = flag_list("vllm", VERSION)
     ex = Export("vllm", CHECKED_AGAINST, "vllm serve", model)
@@ -110,18 +119,27 @@ def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None,
         ex.notes.append("num_blocks=None and no resolved config: vLLM will size its own cache from "
                         "--gpu-memory-utilization (default 0.92 of the whole GPU), not the cache tuned here; pass "
                         "resolved=engine.config to pin it")
-    elif "--num-gpu-blocks-override" in flags:
-        ex.add("--num-gpu-blocks-override", blocks)
-        if how:
-            ex.notes.append(f"--num-gpu-blocks-override {blocks}: {how}")
     else:
-        ex.problems.append(f"num_blocks={blocks}: vLLM {VERSION} has no --num-gpu-blocks-override; "
-                           "--kv-cache-memory-bytes needs the cache's bytes on the target GPU "
-                           "(blocks x bytes per block)")
+        sh, found = model_shape(model, shape)
+        if sh is None:
+            ex.problems.append(f"num_blocks={blocks}: vLLM pins the cache by bytes (--kv-cache-memory-bytes), which "
+                               f"needs the model's K/V bytes per token, and {model!r} has no known shape: pass "
+                               "shape= (a cbnb.sim shape name such as 'llama-3.1-8b', or the model's config.json); "
+                               "not exported (--num-gpu-blocks-override is a testing knob in vLLM's docs)")
+        else:
+            tp = int(tensor_parallel_size or 1)
+            per_token = sh.kv_bytes_per_token() * -(-sh.num_kv_heads // tp) // sh.num_kv_heads  # KV heads split
+            nbytes = blocks * config.page_size * per_token
+            ex.add("--kv-cache-memory-bytes", nbytes)
+            ex.notes.append(f"--kv-cache-memory-bytes {nbytes}: {blocks} blocks x {config.page_size} tokens x "
+                            f"{per_token:,} K/V bytes per token of {sh.name} in {sh.dtype}"
+                            + (f" per GPU at tensor parallel {tp}" if tp > 1 else "")
+                            + f" (from {found}; vLLM's default KV dtype is the model's)" + (f"; {how}" if how else ""))
+            short_cache(ex, blocks * config.page_size, sh, "--max-model-len", config.page_size)
     if config.max_memory_percent is not None:
         ex.unmapped.append(("max_memory_percent", config.max_memory_percent,
                             "not --gpu-memory-utilization: that is the share of the whole GPU for weights + "
-                            "activations + KV; the cache size is exported instead (--num-gpu-blocks-override)"))
+                            "activations + KV; the cache size is exported instead (--kv-cache-memory-bytes)"))
     ex.add("--max-num-batched-tokens", config.max_batch_tokens)
     ex.add("--max-num-seqs", config.max_requests_per_batch)
     f.append("--enable-prefix-caching" if config.allow_block_sharing else "--no-enable-prefix-caching")

@@ -7,7 +7,7 @@
     d = Driver(engine, workload).start(); ...; d.wait()  # or in the background (the notebook stays free)
 
 The engine protocol: what the driver reads from an engine-like object (`cbnb.Engine` and `cbnb.sim.SimEngine`
-implement it, as part of `cbnb.engine.engine_like.EngineLike`; `cbnb.lab.peers.HFContinuousBatching` too). Nothing else
+implement it, as part of `cbnb.engine.engine_like.EngineLike`; `cbnb.bench.engine_peer.HFContinuousBatching` too). Nothing else
 is touched.
 
 - ``engine.submit(prompt, max_new_tokens=n, **submit_kwargs) -> handle``: one call per request, at its arrival
@@ -69,10 +69,71 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Clock", "WallClock", "Driver", "RequestRecord", "POLL_S"]
+__all__ = ["Clock", "WallClock", "Driver", "RequestRecord", "POLL_S", "on_stop", "announce_stop", "stop_guard"]
 
 #: Wall seconds between checks for a free slot (closed loop) when the engine has no event log to wake the driver.
 POLL_S = 0.02
+
+_stop_listeners: list[Any] = []  # weak references to callables (engine, message), e.g. a dashboard's
+
+
+def on_stop(callback: Any) -> None:
+    """Call ``callback(engine, message)`` whenever a driven run is stopped early (an interrupt, a timeout, an
+    error) and has cancelled its requests; `message` is the one line it printed. Held weakly (a bound method keeps
+    no dashboard alive); a callback that raises is ignored."""
+    import weakref
+
+    ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
+    _stop_listeners[:] = [r for r in _stop_listeners if r() is not None] + [ref]
+
+
+def _why(exc: BaseException) -> str:
+    return {KeyboardInterrupt: "interrupted", TimeoutError: "timed out"}.get(type(exc), f"stopped by {type(exc).__name__}")
+
+
+def announce_stop(engine: Any, exc: BaseException, message: str) -> None:
+    """Say once, for `exc`, that a run was stopped: `message` on stderr, as a note on `exc`, and to the `on_stop`
+    listeners (a dashboard shows it). Later calls for the same exception do nothing (an outer helper does not say
+    it again)."""
+    if getattr(exc, "_cbnb_stop_said", False):
+        return
+    try:
+        exc.add_note(message)
+        exc._cbnb_stop_said = True  # type: ignore[attr-defined]
+    except Exception:  # an exception type that takes no attributes
+        pass
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+    _tell_stop(engine, message)
+
+
+class stop_guard:
+    """``with stop_guard(engine, "sweep"):`` around a helper that drives runs: an interrupt or a timeout that lands
+    between its runs (a reconfigure, a warm-up, which cancels its own request) is said in one line too, as a
+    driven run says it (`announce_stop`)."""
+
+    def __init__(self, engine: Any, what: str) -> None:
+        self.engine, self.what = engine, what
+
+    def __enter__(self) -> "stop_guard":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if isinstance(exc, (KeyboardInterrupt, TimeoutError)):
+            announce_stop(self.engine, exc, f"cbnb: {self.what} {_why(exc)} between its runs: it left no request "
+                                            "running.")
+        return False
+
+
+def _tell_stop(engine: Any, message: str) -> None:
+    for ref in list(_stop_listeners):
+        cb = ref()
+        if cb is not None:
+            try:
+                cb(engine, message)
+            except Exception:
+                pass
 
 
 class Clock(Protocol):
@@ -405,22 +466,10 @@ class Driver:
     def _stopped(self, exc: BaseException) -> None:
         """Cancel what this run submitted and say so in one line (stderr, and a note on `exc`)."""
         counts = self.cancel()
-        if getattr(exc, "_cbnb_stop_said", False):
-            return
-        why = {KeyboardInterrupt: "interrupted", TimeoutError: "timed out"}.get(type(exc),
-                                                                          f"stopped by {type(exc).__name__}")
         n, left = counts["cancelled"], counts["unsubmitted"]
-        msg = (f"cbnb: run {why}: cancelled {n} unfinished request{'' if n == 1 else 's'} it had submitted"
-               f"{f' and {left} not yet submitted' if left else ''} ({counts['done']} had ended); the engine keeps "
-               "none of this run's work.")
-        try:
-            exc.add_note(msg)
-            exc._cbnb_stop_said = True  # type: ignore[attr-defined]  # an outer helper does not say it again
-        except Exception:  # an exception type that takes no attributes
-            pass
-        import sys
-
-        print(msg, file=sys.stderr, flush=True)
+        announce_stop(self.engine, exc, f"cbnb: run {_why(exc)}: cancelled {n} unfinished request"
+                      f"{'' if n == 1 else 's'} it had submitted{f' and {left} not yet submitted' if left else ''} "
+                      f"({counts['done']} had ended); the engine keeps none of this run's work.")
 
     def _fill(self, rec: RequestRecord, out: Any) -> None:
         t0 = self.t0

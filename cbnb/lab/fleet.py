@@ -118,19 +118,12 @@ class FleetAnswer:
 
 
 def error_band(profile: Any) -> tuple[str, float | None]:
-    """(the profile's error band in words, in % or None): a fitted or calibrated profile's leave-one-out (else
-    in-sample) error, or "datasheet: unverified"."""
+    """(the profile's error band in words, as every simulated figure carries it (`HardwareProfile.error_band`),
+    with the profile's name; the band in %, or None for a profile without a measured error)."""
     p = load_profile(profile)
     t = p.trust()
-    pct = t.get("loo_error_pct")
-    how = "leave-one-out"
-    if pct is None:
-        pct, how = t.get("error_pct"), "in-sample"
-    if pct is None:
-        return f"{t['kind']}: unverified (no measured error for profile {p.name!r})", None
-    runs = t.get("runs")
-    on = f" on {runs} points" if runs else ""
-    return f"±{float(pct):.0f} % ({how}{on}, profile {p.name!r}, {t['kind']})", float(pct)
+    pct = t.get("loo_error_pct") if t.get("loo_error_pct") is not None else t.get("error_pct")
+    return f"{p.error_band()} (profile {p.name!r})", (None if pct is None else float(pct))
 
 
 def _records(outs: list[tuple[int, Any]], arrivals: list[float], max_new: list[int]) -> list[RequestRecord]:

@@ -99,7 +99,7 @@ class LoadCurve:
         engine: the engine's run-log name ("cbnb", "sim-h100-sxm", ...).
         kind: "rate" (open loop, requests/s) or "concurrency" (closed loop, requests in flight).
         loads: the load of each point, rising.
-        runs: the `cbnb.lab.runs.Run` of each point.
+        runs: the `cbnb.telemetry.runs.Run` of each point.
         points: per point {"load", and `CURVE_FIGURES`}.
         knee_rule: {"method", "k", "figure"}: how `knee_index` was found.
         knee_index: the knee's point (None: too few usable points).
@@ -186,6 +186,7 @@ def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = No
         ValueError: neither or both of rates / concurrencies, or a bad value in them.
     """
     from .traffic import Offline, Poisson
+    from .driver import stop_guard
     from .tuning import engine_name, provenance, reconfigure, run_workload, warm_up
     from .workloads import with_arrivals
 
@@ -193,17 +194,18 @@ def load_sweep(engine: Any, workload: Any, *, rates: Iterable[float] | None = No
     curve = LoadCurve(engine_name(engine), kind, loads, provenance=provenance(engine))
     offline = with_arrivals(workload, Offline()) if kind == "concurrency" else None
     for load in loads:
-        cfg = getattr(engine, "user_config", None)
-        if cfg is not None and hasattr(engine, "reconfigure"):
-            reconfigure(engine, cfg)  # a fresh cache per point
-        if warmup:
-            warm_up(engine, workload)
-        if kind == "rate":
-            wl = with_arrivals(workload, Poisson(load))
-            run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=f"rate {load:g}")
-        else:
-            run = run_workload(engine, offline, slo=slo, timeout=timeout, log=log, max_concurrency=int(load),
-                               label=f"concurrency {int(load)}")
+        with stop_guard(engine, "load sweep"):  # an interrupt between its runs is said too
+            cfg = getattr(engine, "user_config", None)
+            if cfg is not None and hasattr(engine, "reconfigure"):
+                reconfigure(engine, cfg)  # a fresh cache per point
+            if warmup:
+                warm_up(engine, workload)
+            if kind == "rate":
+                wl = with_arrivals(workload, Poisson(load))
+                run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=f"rate {load:g}")
+            else:
+                run = run_workload(engine, offline, slo=slo, timeout=timeout, log=log, max_concurrency=int(load),
+                                   label=f"concurrency {int(load)}")
         curve.runs.append(run)
         m = run.metrics
         curve.points.append({"load": load, **{f: m.get(f) for f in CURVE_FIGURES}})

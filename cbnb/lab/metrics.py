@@ -18,7 +18,7 @@ Definitions (the vocabulary of vLLM's ``bench serve`` and SGLang's ``bench_servi
   (None with fewer than 10 requests or when they all started at once, as an offline batch does);
 - lateness: submitted - arrival time, the driver's accuracy (never negative).
 
-`DEFINITIONS` states these in words; every run of the tuning lab carries them (`cbnb.lab.runs.Run.definitions`).
+`DEFINITIONS` states these in words; every run of the tuning lab carries them (`cbnb.telemetry.runs.Run.definitions`).
 
 Names carry units: ``_s`` seconds, ``_per_s`` per second, ``_pct`` percent, ``_frac`` a fraction.
 """
@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..telemetry.runs import KEY_FIGURES  # noqa: F401 (re-exported: the figures the Runs panel and `best` talk about first)
 from ..telemetry.stats import percentiles
 
 __all__ = ["SLO", "summarize", "steady_window", "engine_figures", "KEY_FIGURES", "higher_is_better", "FIGURE_LABELS",
@@ -37,7 +38,7 @@ __all__ = ["SLO", "summarize", "steady_window", "engine_figures", "KEY_FIGURES",
 #: The share of requests (by start time) left out at each end of a run for the steady-state window.
 STEADY_TRIM = 0.1
 
-#: What the goodput figures mean, in words (kept with every run: `cbnb.lab.runs.Run.definitions`).
+#: What the goodput figures mean, in words (kept with every run: `cbnb.telemetry.runs.Run.definitions`).
 DEFINITIONS: dict[str, str] = {
     "goodput_requests_per_s": "requests that finished with TTFT <= slo_ttft_s and TPOT <= slo_tpot_s, divided by "
                               "the run's duration (first arrival to last end), as vLLM's request_goodput",
@@ -181,10 +182,6 @@ def engine_figures(run_stats: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-#: The figures the Runs panel and `best` talk about first.
-KEY_FIGURES: tuple[str, ...] = ("goodput_requests_per_s", "slo_attainment_pct", "ttft_s_p50", "ttft_s_p99",
-                                "tpot_s_p50", "tpot_s_p99", "itl_s_p99", "e2e_s_p99", "output_tokens_per_s",
-                                "mean_kv_fragmentation_frac", "soft_resets", "recomputed_tokens")
 
 FIGURE_LABELS: dict[str, str] = {
     "goodput_requests_per_s": "goodput (req/s)", "slo_attainment_pct": "SLO met (%)",

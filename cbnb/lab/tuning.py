@@ -37,7 +37,7 @@ use, when the engine has them:
 ``records_reconfigures``   True: ``reconfigure`` writes its own "reconfigure" entry into ``engine.runs``
                            (`cbnb.Engine` does); otherwise `reconfigure` here writes it
 ``runs``                   the engine's `RunLog`; an object without one gets it set as an attribute on first use
-                           (`cbnb.lab.runs.run_log`)
+                           (`cbnb.telemetry.runs.run_log`)
 ``engine_name``            how the run log names the engine (default "cbnb"; transformers' peer: "hf-cb"; the
                            simulator: "sim-<profile>", whose single runs `best` knows to be deterministic)
 ``driver_clock``           the clock the driver uses when none is passed (a simulator's virtual clock; see
@@ -58,10 +58,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from .driver import Driver
+from .driver import Driver, stop_guard
 from ..engine.engine_like import marks_runs
 from .metrics import DEFINITIONS, FIGURE_LABELS, SLO, engine_figures, higher_is_better, summarize
-from .runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
+from ..telemetry.runs import Run, RunLog, change_text, provenance_text, run_log, spread, summary_frame
 
 __all__ = ["run_workload", "measure_capacity", "sweep", "SweepResult", "best", "Verdict", "reconfigure",
            "workload_info"]
@@ -73,15 +73,22 @@ def engine_name(engine: Any) -> str:
 
 
 def provenance(engine: Any) -> dict[str, Any]:
-    """Where an engine's figures come from: a simulator's profile's `HardwareProfile.trust()` (kind "datasheet",
-    "calibrated" or "fitted", its error, what it can be trusted for, and that the simulator predicts cbnb's
-    scheduler, not vLLM's); {"kind": "measured"} for any other engine."""
+    """Where an engine's figures come from: a simulator's profile's `HardwareProfile.trust()` for the simulator's
+    shape and dtype (kind "datasheet", "calibrated" or "fitted", its error, what it can be trusted for, and that the
+    simulator predicts cbnb's scheduler, not vLLM's); {"kind": "measured"} for any other engine.
+
+    Warns:
+        UserWarning: a CPU profile calibrated at another model or dtype than the simulator's (its error does not
+            apply: the provenance has none, and says to calibrate at this model)."""
     prof = getattr(engine, "profile", None)
     trust = getattr(prof, "trust", None)
     if callable(trust):
-        out = dict(trust())
+        shape = getattr(engine, "shape", None)
+        out = dict(trust(shape, getattr(shape, "dtype", None)) if shape is not None else trust())
         out["profile"] = getattr(prof, "name", "")
         out["scheduler"] = SIM_SCHEDULER_NOTE
+        if (out.get("details") or {}).get("other_model"):
+            warnings.warn(f"profile {out['profile']!r}: {out['what']}", UserWarning, stacklevel=3)
         return out
     return {"kind": "measured"}
 
@@ -198,10 +205,11 @@ def measure_capacity(engine: Any, workload: Any, *, repeats: int = 3, timeout: f
     offline = with_arrivals(workload, Offline())
     rps, tps = [], []
     for _ in range(repeats):
-        cfg = getattr(engine, "user_config", None)
-        if cfg is not None and hasattr(engine, "reconfigure"):
-            reconfigure(engine, cfg)  # a fresh cache: no prefix hits from the previous repeat
-        run = run_workload(engine, offline, log=False, timeout=timeout, clock=clock)
+        with stop_guard(engine, "measure_capacity"):  # an interrupt between its runs is said too
+            cfg = getattr(engine, "user_config", None)
+            if cfg is not None and hasattr(engine, "reconfigure"):
+                reconfigure(engine, cfg)  # a fresh cache: no prefix hits from the previous repeat
+            run = run_workload(engine, offline, log=False, timeout=timeout, clock=clock)
         rps.append(run.metrics["requests_per_s"])
         tps.append(run.metrics["output_tokens_per_s"])
     return {"capacity_requests_per_s": spread(rps)[0], "max_requests_per_s": max(rps), "runs_requests_per_s": rps,
@@ -249,7 +257,7 @@ class SweepResult:
 
     def summary(self, figures: Iterable[str] | None = None, workload: str | None = None):
         """One row per point (and workload): its changes, n, ``<figure>_median/_min/_max``, and for simulated runs a
-        ``prediction`` column (`cbnb.lab.runs.provenance_text`: datasheet / fitted from N runs +- error /
+        ``prediction`` column (`cbnb.telemetry.runs.provenance_text`: datasheet / fitted from N runs +- error /
         calibrated)."""
         groups = self.groups(workload)
         df = summary_frame(groups, figures, [self.points[int(g[0].point or 0)] for g in groups])
@@ -327,12 +335,13 @@ def sweep(engine: Any, workload: Any, params: Mapping[str, Iterable[Any]] | Iter
         wl = wls[wname]
         full, cfg = configs[p]
         try:
-            reconfigure(engine, cfg, log=log)
-            if warmup:
-                warm_up(engine, wl)
-            run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
-                               workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
-                               max_concurrency=max_concurrency)
+            with stop_guard(engine, "sweep"):  # an interrupt between its runs (reconfigure, warm-up) is said too
+                reconfigure(engine, cfg, log=log)
+                if warmup:
+                    warm_up(engine, wl)
+                run = run_workload(engine, wl, slo=slo, timeout=timeout, log=log, label=change_text(full),
+                                   workload_label=wname, sweep=sid, point=p, repeat=rep, clock=clock,
+                                   max_concurrency=max_concurrency)
         except (MemoryError, ValueError) as e:
             result.failed.append({"point": p, "repeat": rep, "workload": wname, "change": change_text(full),
                                   "error": f"{type(e).__name__}: {e}"})
@@ -465,9 +474,13 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     it is left out of the ranking, and the text says which points were skipped and why; so are the points a sweep
     could not run (`SweepResult.failed`). A tie lists at most `TIE_LIST_MAX` tied points in the text ("and N more").
 
+    Points whose runs had no request (an empty workload) are skipped; when every run is empty it is an error. When
+    `figure` counts requests meeting the SLO (`SLO_FIGURES`) and is 0 for every point, the verdict says that no run
+    met the SLO, and which SLO, instead of calling it a tie (and warns).
+
     Raises:
-        ValueError: fewer than two points, no point without failures has the figure, or a multi-workload sweep
-            without `workload`.
+        ValueError: an unknown figure (the message lists the runs' figures), every run empty, fewer than two
+            points, no point without failures has the figure, or a multi-workload sweep without `workload`.
     """
     if isinstance(result, SweepResult):
         if workload is None and len(result.workloads) > 1:
@@ -479,6 +492,7 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     else:
         groups = [list(g) for g in result]
     points = getattr(result, "points", None)
+    _check_figure(groups, figure)
     up = higher_is_better(figure) if higher is None else bool(higher)
     rows = []
     for g in groups:
@@ -492,7 +506,9 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     clean = []
     for g, row in zip(groups, rows):
         n, first = _failed_requests(g)
-        if n:
+        if all(_empty(r) for r in g):
+            skipped.append((row[0], "no requests: its workload is empty"))
+        elif n:
             skipped.append((row[0], f"{n} failed request{'s' if n > 1 else ''} over {len(g)} run"
                                     f"{'s' if len(g) > 1 else ''}; first: {first}"))
         else:
@@ -508,6 +524,9 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     skip_txt = (f" Skipped {len(skipped)} point{'s' if len(skipped) > 1 else ''}: "
                 + _listed([f"{name} ({why})" for name, why in skipped]) + "." if skipped else "")
     have = [r for r in clean if r[1] is not None]
+    if groups and all(_empty(r) for g in groups for r in g):
+        raise ValueError("every run has 0 requests: the workload is empty, so every figure is 0 and nothing can win; "
+                         "give it requests (e.g. get_workload('cpu-32'), or synthetic(name, n >= 1, ...))")
     if n_points < 2:
         raise ValueError(f"best needs at least two points to compare; got {n_points}.{skip_txt}")
     if not have:
@@ -521,6 +540,13 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
     ranking = [r[:5] for r in have]
     top = have[0]
     label = FIGURE_LABELS.get(figure, figure)
+    if figure in SLO_FIGURES and all(r[3] == 0 for r in have):
+        slo = _slo_text(groups)
+        text = (f"No run met the SLO ({slo}): {label} is 0 for every point ({len(have)} points), so this is no "
+                "comparison. Loosen the SLO (SLO(ttft_s=..., tpot_s=...) in run_workload / sweep), lower the load, "
+                "or compare a latency figure instead (e.g. best(result, 'ttft_s_p99')).")
+        warnings.warn(text, UserWarning, stacklevel=2)
+        return Verdict(figure, up, None, True, ranking, [r[0] for r in have[1:]], text + skip_txt, skipped)
     # ranges overlap; values equal to float rounding count as equal (a simulation's repeats differ by ~1e-15)
     tied = [r for r in have[1:] if r[2] <= top[3] + _eps(r[2], top[3]) and top[2] <= r[3] + _eps(top[2], r[3])]
     ns = sorted({r[4] for r in have})
@@ -541,7 +567,7 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         others = _listed([f"{r[0]} {_rng(r[1], r[2], r[3], digits)}" for r in tied])
         if simulated:  # the figures are equal
             text = (f"Exact tie on {label} (a deterministic simulation, one run per point): {top[0]} "
-                    f"{_rng(top[1], top[2], top[3], digits)} equals {others}.")
+                    f"{_rng(top[1], top[2], top[3], digits)} equals {others}.{_sim_band(groups)}")
         else:
             text = (f"Tie within noise on {label}: best median {top[0]} {_rng(top[1], top[2], top[3], digits)} "
                     f"overlaps {others} (median [min-max] over {runs_txt}).")
@@ -560,10 +586,45 @@ def best(result: SweepResult | RunLog | Iterable[Iterable[Run]], figure: str, *,
         if "datasheet" in kinds:
             note += (" A datasheet profile (never checked on the device): trust the ranking of configs, not the "
                      "absolute figures.")
+        note += _sim_band(groups)
     vs = f" vs runner-up {second[0]} {_rng(second[1], second[2], second[3], digits)}" if second else ""
     text = (f"{top[0]} wins on {label}: {_rng(top[1], top[2], top[3], digits)}{vs} (median [min-max] over "
             f"{runs_txt}; no range overlaps the winner's).{note}{skip_txt}")
     return Verdict(figure, up, top[5], False, ranking, [], text, skipped, model_error_pct=err)
+
+
+#: Figures that count requests meeting the SLO: all 0 means no run met it (`best` says so instead of a tie).
+SLO_FIGURES = ("goodput_requests_per_s", "goodput_steady_requests_per_s", "slo_met", "slo_attainment_pct")
+
+
+def _sim_band(groups: list[list[Run]]) -> str:
+    """" Simulated on h100-sxm: <its error band>." for simulated runs ("" for measured ones)."""
+    labels = sorted({f"{r.provenance.get('profile', '')}: {provenance_text(r.provenance)}" for g in groups for r in g
+                     if _simulated(r) and getattr(r, "provenance", None)})
+    return f" Simulated on {'; '.join(labels)}." if labels else ""
+
+
+def _empty(run: Run) -> bool:
+    """A run of an empty workload (its metrics count 0 requests; a run without the count is not judged empty)."""
+    return (run.metrics or {}).get("requests", None) == 0
+
+
+def _slo_text(groups: list[list[Run]]) -> str:
+    """The SLO the runs were judged against, as text (from their metrics)."""
+    slos = {(r.metrics.get("slo_ttft_s"), r.metrics.get("slo_tpot_s")) for g in groups for r in g}
+    return "; ".join(str(SLO(ttft_s=a, tpot_s=b)) for a, b in sorted(slos, key=str))
+
+
+def _check_figure(groups: list[list[Run]], figure: str) -> None:
+    """A figure no run has is a misspelling, not a failed run: the error lists the names there are."""
+    names = {k for g in groups for r in g for k in (r.metrics or {})}
+    if names and figure not in names:
+        import difflib
+
+        close = difflib.get_close_matches(figure, sorted(names), n=3)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"unknown figure {figure!r}: the runs have no such metric.{hint} Valid names: "
+                         f"{', '.join(sorted(names))}")
 
 
 def _model_error(groups: list[list[Run]]) -> tuple[float | None, str]:

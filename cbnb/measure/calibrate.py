@@ -131,7 +131,8 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
                + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")
                + ("; NOISY: step times fell with more layers or rows (machine busy)" if figures.get("noisy") else "")
                + (f"; BUSY: load average {load0} before, {load1} after" if is_busy else "")),
-        provenance={"kind": "calibrated", "details": {"load_average_before": load0, "load_average_after": load1,
+        provenance={"kind": "calibrated", "details": {"shape": s.name, "dtype": s.dtype,
+                                                      "load_average_before": load0, "load_average_after": load1,
                                                       "cores": cores, "threads": figures.get("threads"),
                                                       "busy": is_busy}},
     )

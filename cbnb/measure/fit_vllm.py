@@ -165,10 +165,15 @@ def _runs(files: Iterable[Any]) -> list[VllmRun]:
 
 
 def predict(run: VllmRun, shape: Any, profile: Any, config: Any = None, *, dtype: Any = None) -> dict[str, float]:
-    """`FIGURES` of `run` replayed on `SimEngine(shape, profile, config)` (simulated seconds)."""
+    """`FIGURES` of `run` replayed on `SimEngine(shape, profile, config)` (simulated seconds).
+
+    A run with a ``replay_on(profile)`` method (a public point, `cbnb.measure.public.PublicPoint`) names its own
+    shape, GPU and dtype: it replays on its GPU's profile carrying `profile`'s fitted factors."""
     from ..lab.tuning import run_workload
     from ..sim.engine import SimEngine
 
+    if hasattr(run, "replay_on"):
+        shape, profile, dtype = run.replay_on(profile)
     sim = SimEngine(shape, profile, config, dtype=dtype)
     wl = run.workload(sim.vocab_size)
     with warnings.catch_warnings():

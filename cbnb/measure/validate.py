@@ -24,9 +24,14 @@ is (slowest - fastest) / median wall of those runs, the measurement's own noise.
 model's 8-token forward before and after each workload against the same probe right after the calibration (`+`:
 the machine was faster than when it was calibrated).
 
+``--gpu`` fits the GPU profiles (h100-sxm, h200, a100-80gb) to the public vLLM measurements in
+``cbnb/sim/data/public/vllm_points.json`` and prints, per point, the measured figure, the fitted profile's prediction
+and the leave-one-out prediction with its error, then every point's source (`cbnb.measure.public`; no torch, about
+ten minutes on a quiet 2-core machine); ``--gpu --save`` writes the fit into the bundled profiles.
+
 ``--predict PROFILE`` prints the simulator's prediction for nanovllm-256 (shape qwen3-0.6b, bf16, all requests at
-0) on a datasheet profile, e.g. ``h200``, with no torch and no run to compare against (GPU fidelity unverified until
-a GPU runs `cbnb.bench` on the same workload).
+0) on a bundled profile, e.g. ``h200``, with no torch and no run to compare against; the text carries the profile's error
+band (`cbnb.sim.HardwareProfile.error_band`).
 
 Targets (the design's): median absolute per-step error <= 15 %, wall-time error <= 10 %. The figures are only as
 good as the machine is quiet: the table prints the load average before and after; on a busy 2-core machine,
@@ -303,12 +308,15 @@ def _spread(walls: list[float] | None) -> str:
 
 
 def _prediction_text(p: dict[str, Any]) -> str:
+    from ..sim.profiles import load_profile
+
     return (f"prediction (simulated, not measured): {p['workload']} ({p['requests']} requests at t=0) on {p['profile']}, "
             f"shape {p['shape']} {p['dtype']}, page_size {p['page_size']}, num_blocks {p['num_blocks']}, "
             f"async batching {'on' if p['async_batching'] else 'off'}: {p['steps']} steps, wall {p['wall_s']:.2f} s, "
             f"{p['output_tokens_per_s']:,.0f} output tok/s, TTFT p50 {p['ttft_s_p50']:.2f} s, "
             f"TPOT p50 {1000 * p['tpot_s_p50']:.1f} ms (simulated in {p['sim_host_s']:.1f} s here). "
-            "GPU fidelity is unverified: no GPU run was compared.")
+            f"Profile {p['profile']}: {load_profile(p['profile']).error_band()} (those points are of an 8B model in bfloat16: "
+            "another model is an extrapolation).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +331,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="real runs per workload; the medians are compared and their spread printed (default 1)")
     ap.add_argument("--predict", default=None, metavar="PROFILE",
                     help="only print the prediction for nanovllm-256 on PROFILE (e.g. h200): no real run, no torch")
+    ap.add_argument("--gpu", action="store_true",
+                    help="fit the GPU profiles to the public vLLM points and print the leave-one-out error per point "
+                         "(cbnb.measure.public; minutes, no torch)")
+    ap.add_argument("--save", action="store_true", help="with --gpu: write the fit into the bundled GPU profiles")
+    ap.add_argument("--max-evals", type=int, default=80, help="with --gpu: replays per fit (default %(default)s)")
     args = ap.parse_args(argv)
+    if args.gpu:
+        from .public import fit_public, save_fit
+
+        t = time.perf_counter()
+        fit = fit_public(max_evals=args.max_evals)
+        print(fit.report())
+        print(f"fitted in {time.perf_counter() - t:.0f} s ({fit.evaluations} simulated replays)")
+        if args.save:
+            for path in save_fit(fit):
+                print(f"wrote {path}")
+        return 0
     if args.predict:
         print(_prediction_text(predict("nanovllm-256", args.predict)))
         return 0

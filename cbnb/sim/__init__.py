@@ -9,8 +9,8 @@
   `run_until`) or on a playback thread (`start(speed=...)`).
 
 - the tuning lab (`cbnb.lab.tuning`: run_workload, sweep, best; the Runs panel) takes a `SimEngine` (its virtual
-  `driver_clock`, `cbnb.sim.clock`); `cbnb.sim.heatmap` plots a sweep's figure over two config fields and
-  `cbnb.sim.compare` a simulated run against a measured one (plotly only when a figure is drawn).
+  `driver_clock`, `cbnb.sim.clock`); the lab's `cbnb.lab.heatmap` plots a sweep's figure over two config fields and
+  `cbnb.lab.compare` a simulated run against a measured one (plotly only when a figure is drawn).
 
 Measuring this machine (`calibrate`, ``validate``, ``fit_vllm``, ``scale``) lives in `cbnb.measure`, above this
 package; ``cbnb.sim.calibrate`` stays as a lazy alias of `cbnb.measure.calibrate` (loaded on first use, so importing

@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..core.cache.sizing import MemoryPlan
 from ..core.config import ContinuousBatchingConfig
@@ -45,8 +45,9 @@ from ..engine.handle import check_timeout
 from ..engine.phases import LoopState
 from ..engine.prompts import prompt_ids, prompt_preview, sampling_params
 from ..core.requests import Request, RequestOutput
-from ..lab.runs import RunLog
+from ..telemetry.runs import RunLog
 from ..engine.shell import EngineShell
+from ..engine import submit_schema
 from ..telemetry.recorder import Recorder
 from .arrivals import Arrivals, SimulationStuck, VirtualClock
 from .build import SimBuilder
@@ -59,7 +60,7 @@ from .shapes import ModelShape, load_shape
 __all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SIM_TOKEN"]
 
 #: `submit` keywords a simulation cannot honour: it has no logits and no text.
-_NEEDS_A_MODEL = ("logprobs", "prompt_logprobs", "stop")
+_NEEDS_A_MODEL = tuple(f.name for f in submit_schema.FIELDS.values() if f.sim == "refused")
 
 
 @dataclass(frozen=True)
@@ -219,20 +220,7 @@ class SimEngine(SimDriving, EngineShell):
         """Token ids of a prompt (token ids only: a SimEngine has no tokenizer; see `cbnb.engine.prompts`)."""
         return prompt_ids(prompt, tokenizer=None, vocab_size=self.vocab_size, chat=chat)
 
-    def submit(self, prompt: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-               request_id: str | None = None, *, ignore_eos: bool | None = None, chat: bool | None = None,
-               source: str | None = None, min_p: float | None = None, min_new_tokens: int | None = None,
-               min_length: int | None = None, repetition_penalty: float | None = None,
-               frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
-               sequence_bias: Any = None, logit_bias: dict[int, float] | None = None,
-               suppress_tokens: Sequence[int] | None = None, begin_suppress_tokens: Sequence[int] | None = None,
-               forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, response_format: dict | None = None, json_schema: Any = None,
-               arrival_s: float | None = None) -> SimHandle:
+    def submit(self, prompt: Any, *args: Any, **kwargs: Any) -> SimHandle:
         """Queue one request (thread-safe) with the keywords of `Engine.submit`, arriving at `arrival_s`.
 
         Args:
@@ -255,11 +243,13 @@ class SimEngine(SimDriving, EngineShell):
                 before the clock, or not a finite number; a keyword a simulation cannot honour.
             RuntimeError: the simulation died (see `error`).
         """
-        args = {k: v for k, v in locals().items() if k in REQUEST_ARGS and v is not None}  # None: the default
-        asked = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "stop": stop}
-        for k, v in asked.items():
-            if v is not None:
-                raise ValueError(f"{k}: a SimEngine cannot honour it (it simulates no logits and no text); got {v!r}")
+        a = submit_schema.bind(prompt, args, kwargs, simulated=True)
+        for k in _NEEDS_A_MODEL:
+            if a[k] is not None:
+                raise ValueError(f"{k}: a SimEngine cannot honour it (it simulates no logits and no text); got {a[k]!r}")
+        chat, source, request_id, arrival_s = a["chat"], a["source"], a["request_id"], a["arrival_s"]
+        args = {k: a[k] for k in REQUEST_ARGS if a[k] is not None}  # None: the default
+        eos_token_id = a["eos_token_id"]
         ids = self.encode(prompt, chat)
         args["ignore_eos"] = True
         sp, cap = sampling_params(len(ids), args, eos_token_id=eos_token_id, vocab_size=self.vocab_size,
@@ -285,13 +275,14 @@ class SimEngine(SimDriving, EngineShell):
                 state.recorder.flush()
             if self._playback is not None:
                 self._playback.idle.clear()
-        self._arrivals.wake()
+        if self._arrivals.driver is not None:
+            self._arrivals.wake()  # a thread that runs the turns looks at it now (a hold, a paced idle wait)
         return handle
 
-    #: The `submit` keywords a simulation honours (`cbnb.engine.engine_like`): all but those needing logits or text.
-    submit_keywords = frozenset(REQUEST_ARGS + ("prompt", "eos_token_id", "request_id", "chat", "source",
-                                                "arrival_s")) - frozenset(_NEEDS_A_MODEL)
-    # response_format / json_schema are accepted but not listed: the server refuses them for a simulation.
+    submit.__signature__ = submit_schema.signature(simulated=True, returns="SimHandle")
+    #: The `submit` keywords a simulation honours (`cbnb.engine.engine_like`): all but those needing logits or text;
+    #: response_format / json_schema are accepted but not listed (the server refuses them for a simulation).
+    submit_keywords = submit_schema.simulated_keywords()
 
     def _arrival(self, arrival_s: float | None) -> float:
         now = self.present

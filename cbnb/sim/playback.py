@@ -96,7 +96,7 @@ class Playback:
         """Idle: jump to the next arrival (as fast as possible), or take its wall time at x; none to come: IDLE."""
         if next_arrival_s is None:
             return IDLE
-        if self.speed is None:
+        if self.speed is None or self.sim._loop._stepping is not None:  # (a single step does not wait for the pace)
             self.clock.advance_to(next_arrival_s)
             return None
         wall0, sim0 = self._anchor

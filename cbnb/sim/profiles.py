@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -156,12 +157,25 @@ class HardwareProfile:
     notes: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
-    def trust(self) -> dict[str, Any]:
+    def calibrated_for(self) -> tuple[str, str] | None:
+        """(shape name, dtype) a calibrated profile was measured at (`cbnb.measure.calibrate` records them in
+        ``provenance["details"]``; older files only in their notes), or None when unknown or not calibrated."""
+        d = dict((self.provenance or {}).get("details") or {})
+        if d.get("shape"):
+            return str(d["shape"]), str(d.get("dtype") or "")
+        m = re.search(r"calibrated at shape (\S+) \(([^)]+)\)", self.notes or "")
+        return (m.group(1), m.group(2)) if m else None
+
+    def trust(self, shape: Any = None, dtype: Any = None) -> dict[str, Any]:
         """The profile's provenance (see the attribute), with the default when none was recorded: a GPU profile is
         "datasheet" (no error known), a profile `cbnb.measure.calibrate` measured (its sources say so) "calibrated"
         with the errors of the last published ``python -m cbnb.measure.validate`` (`VALIDATION`), any other (made by
         hand) "custom" (no error known). Keys: kind, runs, error_pct, loo_error_pct, what (a
-        sentence saying what the prediction can be trusted for), details."""
+        sentence saying what the prediction can be trusted for), details.
+
+        With `shape` (a name or `ModelShape`) and `dtype`: a profile calibrated at another model or dtype keeps kind
+        "calibrated" but loses its error (``error_pct`` None: the validation was of the model it was calibrated at),
+        ``details["other_model"]`` says which it was measured at, and ``what`` says to calibrate at this one."""
         prov = dict(self.provenance or {})
         measured = any(str(v).startswith(CALIBRATED_PREFIXES) for v in dict(self.sources).values())
         kind = prov.get("kind") or ("calibrated" if measured else "datasheet" if self.kind == "gpu" else "custom")
@@ -173,10 +187,40 @@ class HardwareProfile:
             out["error_pct"] = VALIDATION["wall_error_pct_max"]
             out["details"] = {**VALIDATION, **out["details"]}
         out["what"] = TRUST_TEXT[kind]
+        if kind == "fitted" and (out["details"] or {}).get("public"):
+            out["what"] = TRUST_TEXT["fitted-public"]
+        at = self.calibrated_for() if kind == "calibrated" and shape is not None else None
+        if at is not None:
+            name = getattr(shape, "name", shape)
+            dt = normalize_dtype(dtype if dtype is not None else getattr(shape, "dtype", at[1]))
+            if (str(name), dt) != (at[0], normalize_dtype(at[1]) if at[1] else dt):
+                out["error_pct"] = None
+                out["details"] = {**out["details"], "other_model": f"{at[0]} ({at[1]})", "used_for": f"{name} ({dt})"}
+                out["what"] = (f"calibrated on this CPU at {at[0]} ({at[1]}), used here for {name} ({dt}): the "
+                               "validation error does not carry over to another model or dtype, so these figures are "
+                               f"unverified; run cbnb.measure.calibrate({str(name)!r}) to calibrate at this model")
         if (out["details"] or {}).get("busy"):
             out["what"] += ("; MEASURED ON A BUSY MACHINE (load average "
                             f"{out['details'].get('load_average_before')}): recalibrate when it is idle")
         return out
+
+    def error_band(self, shape: Any = None, dtype: Any = None) -> str:
+        """The one-line trust band every simulated figure on this profile carries: "±6 % on 6 held-out public
+        points" (fitted to public vLLM points, `cbnb.measure.public`), "±3 % leave-one-out on 4 vLLM runs" (fitted
+        to yours), "calibrated here: ±15 % wall time in the last validation", "datasheet: unverified", or
+        "... not this model: unverified" for a CPU profile calibrated at another model (`trust` with `shape`)."""
+        t = self.trust(shape, dtype) if shape is not None else self.trust()
+        err = t.get("loo_error_pct") if t.get("loo_error_pct") is not None else t.get("error_pct")
+        if t["kind"] == "fitted" and err is not None:
+            if (t.get("details") or {}).get("public"):
+                return f"±{err:.0f} % on {t.get('runs')} held-out public points"
+            return f"±{err:.0f} % leave-one-out on {t.get('runs')} vLLM runs"
+        if t["kind"] == "calibrated":
+            if (t.get("details") or {}).get("other_model"):
+                return f"calibrated at {t['details']['other_model']}, not this model: unverified"
+            return f"calibrated here: ±{err:.0f} % wall time in the last validation" if err is not None else \
+                "calibrated here"
+        return "datasheet: unverified" if t["kind"] == "datasheet" else f"{t['kind']} profile: unverified"
 
     def __post_init__(self) -> None:
         check_profile(self)
@@ -298,6 +342,10 @@ TRUST_TEXT = {
     "fitted": ("efficiencies and step cost fitted to your vLLM benchmark runs: absolute throughput and latency "
                "within the fit's leave-one-out error for traffic like the runs it was fitted on; extrapolating "
                "to much longer prompts, other models or other GPUs is not covered"),
+    "fitted-public": ("efficiencies and step cost fitted to public vLLM measurements of an 8B model in bfloat16 "
+                      "(cbnb/sim/data/public/vllm_points.json; python -m cbnb.measure.validate --gpu): absolute "
+                      "latency and throughput within the leave-one-out error for one-GPU traffic like those points; "
+                      "other models, much longer prompts and vLLM's own scheduling decisions are not covered"),
 }
 
 #: The last published ``python -m cbnb.measure.validate`` (README, the last of three runs of 2026-12-06, ``--threads 2``,

@@ -73,6 +73,9 @@ class Dashboard(widgets.VBox):
         self.binding = EngineBinding(engine)  # says when the notebook replaced or stopped the engine
         for p in self.panels:
             p.binding = self.binding
+        from ..lab.driver import on_stop
+
+        on_stop(self._run_stopped)  # the stop button during a sweep: said here at once, not only in the cell
         for p, width in ((self.submit, "50%"), (self.stream, "50%"), (self.kvmap, "40%"), (self.config, "60%")):
             p.layout.width, p.layout.min_width = width, "360px"
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
@@ -82,6 +85,9 @@ class Dashboard(widgets.VBox):
                           self.server, self.runs],
                          layout=widgets.Layout(width="100%"))
         self.add_class("cbnb-dashboard")
+        if callable(getattr(getattr(engine, "profile", None), "error_band", None)):  # a simulator: its error band
+            self.controls.show(f"Simulated on {engine.profile.name}: {engine.profile.error_band(engine.shape)}.",
+                               "info")
         if not self.controls.routed and in_kernel():
             why = self.live
             self.controls.show(why[:1].upper() + why[1:] + ".", "info")
@@ -116,6 +122,12 @@ class Dashboard(widgets.VBox):
             if layout is not None:
                 layout.close()
         super().close()
+
+    def _run_stopped(self, engine: Any, message: str) -> None:
+        """A driven run on this dashboard's engine was stopped and cancelled its requests (`cbnb.lab.driver`)."""
+        if engine is self.engine:
+            self.controls.show(message.removeprefix("cbnb: ").capitalize(), "info")
+            self.poller.poke()
 
     @property
     def live(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import traitlets
 
 from ..lab.metrics import FIGURE_LABELS, KEY_FIGURES, higher_is_better
-from ..lab.runs import RunLog, change_text, run_log, spread
+from ..telemetry.runs import RunLog, change_text, run_log, spread
 from . import _assets
 from .base import Panel
 from .poller import Frame

@@ -225,8 +225,10 @@ def prompt_logprob_tokens(r: Any, texts: TextTracker, n: int = LOGPROB_TOKENS) -
     return _logprob_dicts(lps[start:], start + (1 - first), texts)
 
 
-def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int = 12) -> list[dict[str, Any]]:
-    """Items of the token stream: live requests then the newest ended ones, each with its text so far.
+def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int = 12,
+                 max_live: int | None = None) -> list[dict[str, Any]]:
+    """Items of the token stream: live requests (at most `max_live`: running first) then the newest ended ones,
+    each with its text so far.
 
     Returns:
         dicts with id, state, text, n (tokens out), max (max_new_tokens or None), error, reason (finish reason),
@@ -235,6 +237,12 @@ def stream_items(requests: Sequence[Any], texts: TextTracker, max_finished: int 
         plp (`prompt_logprob_tokens`: the prompt's last tokens with theirs, for requests that asked for them).
     """
     shown, _ = _ordered(requests, max_finished)
+    if max_live is not None:
+        live = [r for r in shown if _state_name(r.state) not in TERMINAL_STATES]
+        if len(live) > max_live:  # running first, then the oldest waiting: a big workload has thousands
+            running = [r for r in live if _state_name(r.state) != "PENDING"]
+            waiting = [r for r in live if _state_name(r.state) == "PENDING"]
+            shown = (running + waiting)[:max_live] + shown[len(live):]
     items = []
     for r in shown:
         state = _state_name(r.state)

@@ -21,6 +21,7 @@ class TokenStreamPanel(RequestPanel):
     Args:
         engine: the engine.
         max_finished: ended requests kept on screen (newest first).
+        max_live: live requests shown at most (running first, then the oldest waiting; the board counts them all).
         max_chars: trailing characters shown per request.
         poller, autostart: see `Panel`.
 
@@ -32,8 +33,9 @@ class TokenStreamPanel(RequestPanel):
     _esm = _assets.esm("stream.js")
     items = traitlets.List().tag(sync=True)
 
-    def __init__(self, engine: Any, *, max_finished: int = 12, max_chars: int = 4000, **kwargs: Any) -> None:
-        self._max_finished = max_finished
+    def __init__(self, engine: Any, *, max_finished: int = 12, max_live: int = 48, max_chars: int = 4000,
+                 **kwargs: Any) -> None:
+        self._max_finished, self._max_live = max_finished, max_live
         self._texts = TextTracker(getattr(engine, "tokenizer", None), max_chars=max_chars)
         super().__init__(engine, **kwargs)
 
@@ -43,4 +45,4 @@ class TokenStreamPanel(RequestPanel):
     def _values(self, frame: Frame) -> dict[str, Any]:
         if frame.requests is None:
             return {}
-        return {"items": stream_items(frame.requests, self._texts, self._max_finished)}
+        return {"items": stream_items(frame.requests, self._texts, self._max_finished, self._max_live)}

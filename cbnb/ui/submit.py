@@ -6,10 +6,16 @@ from typing import Any
 
 import traitlets
 
+from ..engine.submit_schema import FIELDS
 from . import _assets
 from .base import Panel
 
 __all__ = ["SubmitPanel"]
+
+# The two fields of the box, as `submit` declares them (`cbnb.engine.submit_schema`: ranges and defaults).
+_MAX_NEW, _TEMPERATURE = FIELDS["max_new_tokens"], FIELDS["temperature"]
+#: The box's temperature slider ends here (`submit` takes any temperature >= 0).
+TEMPERATURE_FORM_MAX = 10.0
 
 
 class SubmitPanel(Panel):
@@ -73,11 +79,12 @@ class SubmitPanel(Panel):
             self.show(f"max_new_tokens must be a whole number and temperature a number; got {mnt!r}, {temp!r}.",
                       "error")
             return None
-        if mnt < 1:
-            self.show(f"max_new_tokens must be at least 1; got {mnt}.", "error")
+        if mnt < _MAX_NEW.lo:
+            self.show(f"max_new_tokens must be at least {_MAX_NEW.lo}; got {mnt}.", "error")
             return None
-        if not (temp >= 0) or temp > 10:
-            self.show(f"temperature must be between 0 (greedy) and 10; got {temp}.", "error")
+        if not (temp >= _TEMPERATURE.lo) or temp > TEMPERATURE_FORM_MAX:
+            self.show(f"temperature must be between {_TEMPERATURE.lo:g} (greedy) and {TEMPERATURE_FORM_MAX:g}; got "
+                      f"{temp}.", "error")
             return None
         sampling = {"do_sample": True, "temperature": temp} if temp > 0 else {}
         try:

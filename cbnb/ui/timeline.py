@@ -99,8 +99,9 @@ class TimelinePanel(Panel):
         st.add_events(self._fresh(frame.events))
         if frame.requests is not None:
             tok = getattr(self.engine, "tokenizer", None)
-            for r in frame.requests:
-                if r.request_id not in self._labels:
+            rows = st.rows
+            for r in frame.requests:  # only the requests with a row (a big workload has many more)
+                if r.request_id in rows and r.request_id not in self._labels:
                     self._labels[r.request_id] = prompt_label(r, tok)
         if st.version == self._sent_version:
             return {}

@@ -42,7 +42,9 @@ def script(eng) -> dict:
     assert c.result(TIMEOUT).state.name == "CANCELLED"
     eng.resume()
     eng.reconfigure(cbnb.ContinuousBatchingConfig(**{**CFG, "page_size": 32}))
+    eng.pause()  # both arrive before a step (the real engine's thread could otherwise plan one between them)
     d, e = (eng.submit(list(range(90, 90 + n)), max_new_tokens=2, ignore_eos=True) for n in (20, 40))
+    eng.resume()
     assert [h.result(TIMEOUT).state.name for h in (d, e)] == ["FINISHED", "FINISHED"]
     eng.reset_stats("second half")
     story = eng.explain(a)

@@ -10,6 +10,7 @@ import pathlib
 import pytest
 import torch
 
+import cbnb.engine.model_cache as MC
 import cbnb.engine.models as M
 from cbnb.engine.models import (
     BUNDLED_MODELS,
@@ -334,7 +335,7 @@ def fake_bundled(monkeypatch):
         locate=lambda workdir: workdir / "fake.gguf",
     )
     monkeypatch.setitem(M.BUNDLED_MODELS, "fake-model", entry)
-    monkeypatch.setattr(M, "_dequantize", fake_dequantize)
+    monkeypatch.setattr(MC, "_dequantize", fake_dequantize)
     return calls
 
 
@@ -370,17 +371,17 @@ def test_bundled_cache_honours_env_var(fake_bundled, tmp_path, monkeypatch):
 
 def test_bundled_conversion_tolerates_a_concurrent_winner(fake_bundled, tmp_path, monkeypatch):
     """Another process finishes the cache while we convert: keep theirs, no error, no debris."""
-    real = M._dequantize
+    real = MC._dequantize
 
     def racing(gguf):
         model, tok = real(gguf)
         winner = tmp_path / "fake-model"
         model.save_pretrained(winner)
         tok.save_pretrained(winner)
-        (winner / "cbnb_cache.json").write_text(json.dumps({"format": M._CACHE_FORMAT, "name": "winner"}))
+        (winner / "cbnb_cache.json").write_text(json.dumps({"format": MC._CACHE_FORMAT, "name": "winner"}))
         return model, tok
 
-    monkeypatch.setattr(M, "_dequantize", racing)
+    monkeypatch.setattr(MC, "_dequantize", racing)
     load_model("fake-model", device="cpu", cache_dir=tmp_path)
     assert json.loads((tmp_path / "fake-model" / "cbnb_cache.json").read_text())["name"] == "winner"
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["fake-model"]
@@ -390,7 +391,7 @@ def test_bundled_conversion_failure_leaves_no_cache(fake_bundled, tmp_path, monk
     def broken(gguf):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(M, "_dequantize", broken)
+    monkeypatch.setattr(MC, "_dequantize", broken)
     with pytest.raises(RuntimeError, match="boom"):
         load_model("fake-model", device="cpu", cache_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -432,12 +433,12 @@ def test_smollm2_real_model_answers_paris():
 
     # Second load comes from the cache folder: no GGUF dequantization.
     calls = []
-    orig = M._dequantize
-    M._dequantize = lambda gguf: calls.append(gguf) or orig(gguf)
+    orig = MC._dequantize
+    MC._dequantize = lambda gguf: calls.append(gguf) or orig(gguf)
     try:
         again, _ = load_model("smollm2-135m", device="cpu")
     finally:
-        M._dequantize = orig
+        MC._dequantize = orig
     assert calls == []
     assert torch.equal(again.generate(ids, max_new_tokens=12, do_sample=False), out)
 
@@ -468,7 +469,7 @@ def test_one_gguf_parse_reads_each_file_once_and_restores_the_reader(monkeypatch
             parses.append((str(path), mode))
 
     monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
-    with M._one_gguf_parse():
+    with MC._one_gguf_parse():
         a, b = gguf.GGUFReader("/m/a.gguf"), gguf.GGUFReader(pathlib.Path("/m/a.gguf"))
         c = gguf.GGUFReader("/m/b.gguf")
         from gguf import GGUFReader  # how transformers' loader imports it, inside the function
@@ -477,6 +478,6 @@ def test_one_gguf_parse_reads_each_file_once_and_restores_the_reader(monkeypatch
     assert a is b is d and c is not a
     assert parses == [("/m/a.gguf", "r"), ("/m/b.gguf", "r")]
     assert gguf.GGUFReader is CountingReader
-    with pytest.raises(RuntimeError), M._one_gguf_parse():
+    with pytest.raises(RuntimeError), MC._one_gguf_parse():
         raise RuntimeError("a failed conversion")
     assert gguf.GGUFReader is CountingReader

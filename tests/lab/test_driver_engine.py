@@ -8,9 +8,9 @@ import gc
 import pytest
 
 import cbnb
-import cbnb.lab.runs
+import cbnb.telemetry.runs
 from cbnb.lab import traffic as tr
-from cbnb.lab.runs import run_log
+from cbnb.telemetry.runs import run_log
 from cbnb.lab.tuning import reconfigure, run_workload
 from cbnb.lab.workloads import synthetic
 
@@ -67,7 +67,7 @@ def test_run_log_survives_reconfigure_and_the_engine_records_every_reconfigure(t
     again = cbnb.Engine(model, config=config(page_size=16), runs=path)
     assert [r.kind for r in again.runs] == [r.kind for r in log] and again.runs.get(5).metrics == second.metrics
     again.reconfigure(again.user_config.copy(page_size=32))
-    assert [r.id for r in cbnb.lab.runs.RunLog(path=path)] == [1, 2, 3, 4, 5, 6]
+    assert [r.id for r in cbnb.telemetry.runs.RunLog(path=path)] == [1, 2, 3, 4, 5, 6]
     # Or share one log between engines.
     shared = cbnb.Engine(model, config=config(page_size=16), runs=log)
     assert shared.runs is log
@@ -76,7 +76,7 @@ def test_run_log_survives_reconfigure_and_the_engine_records_every_reconfigure(t
 def test_transformers_peer_runs_the_same_timed_workload():
     """transformers' continuous batching behind the engine-like API: the same arrivals, its own timestamps, the
     same greedy tokens as cbnb, into the same run log; the cbnb engine on the shared model pauses meanwhile."""
-    from cbnb.lab.peers import HFContinuousBatching, compare_outputs
+    from cbnb.bench.engine_peer import HFContinuousBatching, compare_outputs
 
     gc.collect()  # engines of earlier tests on this cached model stop and give its attention back
     model = tiny_model(LLAMA)

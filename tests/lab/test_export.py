@@ -47,14 +47,15 @@ TUNED = C(page_size=16, num_blocks=512, max_batch_tokens=256, max_requests_per_b
 
 
 def test_vllm_flags_follow_the_table():
-    ex = to_vllm(TUNED.copy(max_queue_size=100, safety_margin=0.2), model="org/model")
+    ex = to_vllm(TUNED.copy(max_queue_size=100, safety_margin=0.2), model="org/model", shape="smollm2-135m")
     f = _flags(ex)
-    assert f == {"--block-size": "16", "--num-gpu-blocks-override": "512", "--max-num-batched-tokens": "256",
+    kv = 512 * 16 * 2 * 3 * 64 * 2 * 30  # blocks x tokens x (K and V) x KV heads x head_dim x bf16 x layers
+    assert f == {"--block-size": "16", "--kv-cache-memory-bytes": str(kv), "--max-num-batched-tokens": "256",
                  "--max-num-seqs": "64", "--enable-prefix-caching": None, "--scheduling-policy": "fcfs",
                  "--enforce-eager": None, "--async-scheduling": None, "--seed": "7", "--watermark": "0.2",
                  "--max-num-queued-reqs": "100"}
     table = {r.field: r.target for r in vllm.MAPPING}
-    for name, flag in (("page_size", "--block-size"), ("num_blocks", "--num-gpu-blocks-override"),
+    for name, flag in (("page_size", "--block-size"), ("num_blocks", "--kv-cache-memory-bytes"),
                        ("max_batch_tokens", "--max-num-batched-tokens"), ("max_requests_per_batch", "--max-num-seqs"),
                        ("seed", "--seed"), ("safety_margin", "--watermark"),
                        ("max_queue_size", "--max-num-queued-reqs")):
@@ -82,15 +83,47 @@ def test_cache_size_is_exported_exactly():
     """The cache the engine ran with, also when the sizing chose it (resolved=engine.config)."""
     user = C(page_size=32, max_memory_percent=0.5)
     ran = user.copy(num_blocks=1234)
-    v, s = to_vllm(user, resolved=ran), to_sglang(user, resolved=ran)
-    assert _flags(v)["--num-gpu-blocks-override"] == "1234" and _flags(s)["--max-total-tokens"] == str(1234 * 32)
+    with pytest.warns(UserWarning, match="--max-model-len 39488"):  # 1,234 x 32 tokens < 131,072
+        v = to_vllm(user, resolved=ran, shape="llama-3.1-8b")
+    s = to_sglang(user, resolved=ran)
+    assert _flags(v)["--kv-cache-memory-bytes"] == str(1234 * 32 * 131072)  # llama-3.1-8b: 128 KiB per token
+    assert _flags(s)["--max-total-tokens"] == str(1234 * 32)
     assert "--gpu-memory-utilization" not in v.flags and "--mem-fraction-static" not in s.flags
+    assert "--num-gpu-blocks-override" not in v.flags  # vLLM's testing knob
     assert any("sizing chose" in n for n in v.notes)
     unpinned = to_vllm(user)
-    assert "--num-gpu-blocks-override" not in unpinned.flags
+    assert "--kv-cache-memory-bytes" not in unpinned.flags
     assert any("resolved=engine.config" in n for n in unpinned.notes)
     with pytest.raises(ValueError, match="resolved.page_size"):
         to_vllm(user, resolved=ran.copy(page_size=16))
+
+
+def test_the_cache_is_pinned_by_bytes_of_the_models_shape():
+    # the shape from the model's id (a bundled shape of that Hugging Face id, an -Instruct variant included)
+    ex = to_vllm(C(page_size=16, num_blocks=8192), model="meta-llama/Llama-3.1-8B-Instruct")
+    assert _flags(ex)["--kv-cache-memory-bytes"] == str(8192 * 16 * 131072) and "--max-model-len" not in ex.flags
+    assert any("llama-3.1-8b in bfloat16" in n for n in ex.notes)
+    # per GPU at tensor parallel 2: the KV heads are split
+    tp = to_vllm(C(page_size=16, num_blocks=8192), model="meta-llama/Llama-3.1-8B", tensor_parallel_size=2)
+    assert _flags(tp)["--kv-cache-memory-bytes"] == str(8192 * 16 * 131072 // 2)
+    # no shape known: not exported, and the problem says what to pass (never the testing knob)
+    unknown = to_vllm(C(page_size=16, num_blocks=512), model="org/model")
+    assert not unknown.ok and "--num-gpu-blocks-override" not in unknown.flags
+    assert "pass shape=" in unknown.problems[0] and "testing knob" in unknown.problems[0]
+
+
+def test_a_cache_smaller_than_the_context_caps_the_length_with_a_warning():
+    small = C(page_size=16, num_blocks=256)  # 4,096 tokens for a 131,072-token model
+    with pytest.warns(UserWarning, match=r"vllm export: the exported cache holds 4,096 tokens, less than "
+                                         r"llama-3.1-8b's context of 131,072.*num_blocks >= 8,192"):
+        ex = to_vllm(small, model="meta-llama/Llama-3.1-8B")
+    assert _flags(ex)["--max-model-len"] == "4096" and ex.ok
+    with pytest.warns(UserWarning, match="sglang export"):
+        s = to_sglang(small, model="meta-llama/Llama-3.1-8B")
+    assert _flags(s)["--context-length"] == "4096"
+    with pytest.warns(UserWarning, match="transformers-serve export"):
+        t = to_transformers_serve(small, model="meta-llama/Llama-3.1-8B")
+    assert _flags(t)["--max-model-len"] == "4096"
 
 
 def test_max_blocks_per_request_is_not_a_length_cap():
@@ -153,9 +186,10 @@ def test_transformers_serve_flags_follow_the_table():
     ex = to_transformers_serve(TUNED)
     assert _flags(ex) == {"--continuous-batching": None, "--cb-block-size": "16", "--cb-num-blocks": "512",
                           "--cb-max-batch-tokens": "256", "--cb-max-memory-percent": "0.5",
-                          "--no-cb-use-cuda-graph": None}
+                          "--default-seed": "7", "--no-cb-use-cuda-graph": None}
     unmapped = {u[0] for u in ex.unmapped}
-    assert {"max_requests_per_batch", "cpu_offload_space", "seed", "use_async_batching"} <= unmapped
+    assert {"max_requests_per_batch", "cpu_offload_space", "use_async_batching"} <= unmapped
+    assert _flags(to_transformers_serve(C(seed=7)))["--default-seed"] == "7"  # transformers 5.25
     assert to_transformers_serve(C()).flags == ["--continuous-batching"]  # all defaults: nothing else to say
     assert to_transformers_serve(C()).unmapped == []
 
@@ -173,9 +207,35 @@ def test_transformers_serve_flags_parse_with_the_installed_cli():
     ctx = cmd.make_context("serve", ["org/model", *to_transformers_serve(TUNED).flags], resilient_parsing=True)
     assert ctx.params["continuous_batching"] is True and ctx.params["cb_block_size"] == 16
     assert ctx.params["cb_num_blocks"] == 512 and ctx.params["cb_use_cuda_graph"] is False
+    assert ctx.params["default_seed"] == 7  # new in transformers 5.25
+    for config in CONFIGS:  # every exported config parses, strictly (an unknown option is an error)
+        cmd.make_context("serve", ["org/model", *to_transformers_serve(config).flags])
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_defaults_export_cleanly(target):
     ex = TARGETS[target](C())
     assert ex.ok and ex.flags and ex.report().splitlines()[1] == ex.command
+
+
+def test_the_last_parser_check_is_of_todays_exports_and_passed():
+    """scripts/check_exports.py ran every export through vLLM 0.33's EngineArgs.from_cli_args and
+    create_engine_config, and through transformers serve's parser; its committed result must be of the commands
+    the exporters emit now (re-run the script when an exporter changes) and every one must have passed."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("check_exports", pathlib.Path(__file__).resolve().parents[2]
+                                                  / "scripts" / "check_exports.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    data = json.loads(mod.OUT.read_text())
+    assert data["exports"] == mod.exports(), "the exporters changed: re-run scripts/check_exports.py"
+    assert data["vllm"]["wheel"].startswith(f"vllm-{vllm.VERSION}-")
+    for target in ("vllm", "transformers-serve"):
+        results = data[target]["results"]
+        assert [r["config"] for r in results] == [name for name, _ in mod.configs()]
+        assert all(r["ok"] for r in results), results
+    by_name = {r["config"]: r["read_back"] for r in data["vllm"]["results"]}
+    assert by_name["tuned"]["kv_cache_memory_bytes"] == 512 * 16 * 30 * 2 * 3 * 64 * 2
+    assert by_name["tuned"]["num_gpu_blocks_override"] is None and by_name["short cache"]["max_model_len"] == 2048

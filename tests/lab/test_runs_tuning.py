@@ -9,7 +9,7 @@ import pytest
 
 from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
-from cbnb.lab.runs import Run, RunLog, run_log
+from cbnb.telemetry.runs import Run, RunLog, run_log
 from cbnb.lab.tuning import best, reconfigure, run_workload, sweep
 from cbnb.lab.workloads import synthetic
 

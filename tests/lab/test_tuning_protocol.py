@@ -10,7 +10,7 @@ import pytest
 
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.metrics import SLO
-from cbnb.lab.runs import RunLog
+from cbnb.telemetry.runs import RunLog
 from cbnb.lab.tuning import best, measure_capacity, run_workload, sweep
 from cbnb.lab.workloads import Workload
 

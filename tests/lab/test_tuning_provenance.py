@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cbnb.lab import traffic as tr
 from cbnb.core.config import ContinuousBatchingConfig
-from cbnb.lab.runs import Run
+from cbnb.telemetry.runs import Run
 from cbnb.sim import SimEngine
 from cbnb.sim.profiles import VALIDATION, load_profile
 from cbnb.lab.tuning import best, provenance, run_workload, sweep
@@ -16,7 +16,11 @@ WL = synthetic("prov", 24, tr.Poisson(40.0), tr.LogNormal(300, 0.5), tr.LogNorma
 GRID = {"max_batch_tokens": [256, 2048]}
 
 
-def _sim(profile="h100-sxm"):
+#: A profile without provenance: the datasheet kind (the bundled h100-sxm is fitted to public vLLM points).
+DATASHEET = load_profile("h100-sxm").replace(name="h100-datasheet", provenance={})
+
+
+def _sim(profile=DATASHEET):
     return SimEngine("llama-3.1-8b", profile, ContinuousBatchingConfig(max_memory_percent=0.3))
 
 
@@ -24,10 +28,10 @@ def test_datasheet_runs_say_so_and_the_summary_shows_it(capsys):
     sim = _sim()
     res = sweep(sim, WL, GRID, repeats=1)
     out = capsys.readouterr().out
-    assert "datasheet (unverified)" in out and "not vLLM" in out  # said where the user reads the sweep
+    assert "datasheet: unverified" in out and "not vLLM" in out  # said where the user reads the sweep
     prov = res.provenance
-    assert prov["kind"] == "datasheet" and prov["profile"] == "h100-sxm" and prov["error_pct"] is None
-    assert set(res.summary()["prediction"]) == {"datasheet (unverified)"}
+    assert prov["kind"] == "datasheet" and prov["profile"] == "h100-datasheet" and prov["error_pct"] is None
+    assert set(res.summary()["prediction"]) == {"datasheet: unverified"}
     v = best(res, "ttft_s_p50")
     assert v.model_error_pct is None and "datasheet profile" in v.text
     # The provenance survives the run log's JSON.
@@ -60,7 +64,7 @@ def test_best_ties_points_closer_than_the_profiles_error():
 
 def test_provenance_of_each_kind():
     assert provenance(object()) == {"kind": "measured"}
-    cpu = load_profile("h100-sxm").replace(name="my-cpu", kind="cpu", runner="cpu")
+    cpu = DATASHEET.replace(name="my-cpu", kind="cpu", runner="cpu")
     assert cpu.trust()["kind"] == "custom" and cpu.trust()["error_pct"] is None
     measured = cpu.replace(sources={"gemm_flops": "measured by cbnb.measure.calibrate (torch): GEMMs"})
     t = measured.trust()

@@ -8,7 +8,7 @@ import pytest
 
 from cbnb import tuning
 from cbnb.core.config import ContinuousBatchingConfig as C
-from cbnb.lab.runs import RunLog
+from cbnb.telemetry.runs import RunLog
 from cbnb.sim import HardwareProfile, SimEngine
 from cbnb.lab.traffic import Fixed, Offline, Poisson, Uniform
 from cbnb.lab.tuning import best, run_workload, sweep
@@ -142,3 +142,67 @@ def test_a_dtype_the_profile_cannot_time_is_refused_at_construction():
     assert sim.shape.dtype == "float32"
     run = run_workload(sim, get_workload("cpu-32", scale=0.1, engine=sim), log=False)
     assert run.metrics["requests_failed"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ no silent answer
+def test_an_empty_workload_is_an_error_not_an_exact_tie_at_zero():
+    from cbnb.lab.workloads import Workload
+
+    sim = SimEngine("llama-3.1-8b", "h100-sxm", C(page_size=16, num_blocks=512))
+    empty = Workload("empty", "llama-3.1-8b", [], [])
+    res = sweep(sim, empty, {"page_size": [16, 32]}, repeats=1, progress=False)
+    with pytest.raises(ValueError, match=r"every run has 0 requests: the workload is empty.*give it requests"):
+        best(res, "output_tokens_per_s")
+    # one empty point among real ones is skipped with the reason
+    groups = [res.runs[:1], sweep(sim, _tiny(sim), {"page_size": [16, 32]}, repeats=1, progress=False).runs[:1],
+              sweep(sim, _tiny(sim), {"page_size": [64]}, repeats=1, progress=False).runs]
+    v = best(groups, "output_tokens_per_s")
+    assert "no requests: its workload is empty" in v.text and len(v.ranking) == 2
+
+
+def test_an_slo_no_run_met_says_so_and_which_slo():
+    from cbnb.lab.metrics import SLO
+
+    sim = SimEngine("llama-3.1-8b", "h100-sxm", C(page_size=16, num_blocks=512))
+    res = sweep(sim, _tiny(sim), {"page_size": [16, 32]}, repeats=1, progress=False,
+                slo=SLO(ttft_s=1e-6, tpot_s=1e-6))
+    with pytest.warns(UserWarning, match="No run met the SLO"):
+        v = best(res, "goodput_requests_per_s")
+    assert v.winner is None and "Exact tie" not in v.text
+    assert "No run met the SLO (TTFT <= 1e-06 s and TPOT <= 0.001 ms)" in v.text and "Loosen the SLO" in v.text
+
+
+def test_an_unknown_figure_lists_the_valid_names():
+    sim = SimEngine("llama-3.1-8b", "h100-sxm", C(page_size=16, num_blocks=512))
+    res = sweep(sim, _tiny(sim), {"page_size": [16, 32]}, repeats=1, progress=False)
+    with pytest.raises(ValueError, match=r"unknown figure 'ttft_p99'.*Did you mean 'ttft_s_p99'.*Valid names: .*"
+                                         r"goodput_requests_per_s.*ttft_s_p99") as err:
+        best(res, "ttft_p99")
+    assert "failed request" not in str(err.value)  # not blamed on failed requests
+
+
+def test_a_cpu_profile_calibrated_at_another_model_is_not_called_calibrated_for_this_one():
+    from cbnb.lab.tuning import provenance
+
+    cal = HardwareProfile(name="cpu", kind="cpu", runner="cpu", memory_bytes=16 << 30,
+                          peak_flops={"float32": 1e11, "bfloat16": 1e11}, memory_bandwidth=2e10,
+                          host_device_bandwidth=2e10, step_overhead_s=1e-4, step_overhead_graph_s=1e-4,
+                          kernel_launch_s=1e-6, sources={"gemm_flops": "measured by cbnb.measure.calibrate (torch)"},
+                          notes="calibrated at shape smollm2-135m (float32) with 2 threads, torch")
+    same = SimEngine("smollm2-135m", cal, C(page_size=16, num_blocks=64), dtype="float32")
+    t = provenance(same)
+    assert t["kind"] == "calibrated" and t["error_pct"] is not None  # the validated band applies
+    other = SimEngine("qwen3-0.6b", cal, C(page_size=16, num_blocks=64), dtype="float32")
+    with pytest.warns(UserWarning, match=r"calibrated on this CPU at smollm2-135m \(float32\), used here for "
+                                         r"qwen3-0.6b \(float32\).*calibrate\('qwen3-0.6b'\)"):
+        t = provenance(other)
+    assert t["error_pct"] is None and t["details"]["other_model"] == "smollm2-135m (float32)"
+    with pytest.warns(UserWarning, match="used here for smollm2-135m \\(bfloat16\\)"):
+        provenance(SimEngine("smollm2-135m", cal, C(page_size=16, num_blocks=64), dtype="bfloat16"))
+    from cbnb.lab.runs import provenance_text
+    assert provenance_text(t) == "calibrated at smollm2-135m (float32), not this model: unverified"
+    # best applies no validated tie band to such runs
+    with pytest.warns(UserWarning):
+        res = sweep(other, get_workload("cpu-32", scale=0.1, engine=other), {"page_size": [16, 32]}, repeats=1,
+                    progress=False)
+    assert best(res, "output_tokens_per_s").model_error_pct is None

@@ -10,7 +10,8 @@ from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.lab.metrics import SLO
 from cbnb.core.requests import RequestState
 from cbnb.sim import SimEngine, load_shape
-from cbnb.sim.heatmap import heatmap, heatmap_grid
+from cbnb.lab.heatmap import heatmap, heatmap_grid
+from cbnb.lab.runs import provenance_text
 from cbnb.lab.tuning import best, run_workload, sweep
 from cbnb.lab.workloads import Workload, synthetic
 
@@ -179,7 +180,7 @@ def test_workload_of_text_prompts_is_refused_by_the_sim_per_request():
 
 
 def test_compare_runs_and_figure_predicted_against_measured():
-    from cbnb.sim.compare import compare_figure, compare_runs
+    from cbnb.lab.compare import compare_figure, compare_runs
 
     wl = poisson(12)
     a = run_workload(small_sim(), wl, log=False)

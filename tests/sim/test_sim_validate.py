@@ -48,7 +48,8 @@ def test_predict_prints_the_gpu_prediction_without_torch():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "nanovllm-256 (256 requests at t=0) on h200" in text and "qwen3-0.6b bfloat16" in text
-    assert "GPU fidelity is unverified" in text and "output tok/s" in text
+    from cbnb.sim.profiles import load_profile
+    assert f"Profile h200: {load_profile('h200').error_band()}" in text and "output tok/s" in text  # the profile's error band
 
 
 def test_predict_names_an_unknown_profile():

@@ -523,10 +523,10 @@ def test_plots_right_axis_titles_are_whole_at_2x(page, tiny_engine, scale):
         if scale != 1.0:  # every chart redraws at the new scale
             set_scale(page, scale)
             # (charts off screen redraw when scrolled to: the first one, "Tokens per step", is on screen)
+            height = round(250 * (1 + 0.6 * (scale - 1)))
             wait_js(page, "() => { const g = document.querySelector('.cbnb-plots .js-plotly-plot');"
-                          f" return g._fullLayout && g._fullLayout.height === {round(250 * (1 + 0.6 * (scale - 1)))}; }}",
-                    timeout_ms=60_000)
-        boxes = page.evaluate("""() => Array.from(document.querySelectorAll('.cbnb-plots .js-plotly-plot')).slice(0, 1).map((g) => {
+                          f" return g._fullLayout && g._fullLayout.height === {height}; }}", timeout_ms=60_000)
+        boxes = page.evaluate("""() => [document.querySelector('.cbnb-plots .js-plotly-plot')].map((g) => {
             const t = g.querySelector('.g-y2title text'); if (!t) return null;
             const b = t.getBoundingClientRect(), s = g.getBoundingClientRect();
             return {text: t.textContent, top: b.top, bottom: b.bottom, left: b.left, right: b.right,

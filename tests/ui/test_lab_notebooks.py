@@ -165,3 +165,28 @@ def test_nb04_ends_live_with_its_noise_stated(lab, page):
     assert plot_backgrounds(page) and all("255, 255, 255" not in b for b in plot_backgrounds(page))
     shots(page, "41-nb04-summary", ".jp-OutputArea .js-plotly-plot")
     shots(page, "41-nb04-ends-live", ".cbnb-controls")
+
+
+LIVE_ROWS = ("() => document.querySelectorAll('.cbnb-board tr[data-state=PENDING], "
+             ".cbnb-board tr[data-state=PREFILLING], .cbnb-board tr[data-state=DECODING]').length")
+
+
+def test_nb04_stop_button_during_the_sweep_cancels_everything_it_submitted(lab, page):
+    """Stop means stop (issue 40): JupyterLab's stop button (interrupt the kernel) pressed while 04's sweep runs ends
+    the cell, cancels every request of the sweep (none is left running in the engine), says so in one line, and the
+    board shows no live request."""
+    open_and_run_all(page, lab, NB04.name)
+    page.wait_for_function(CELL_RUNNING, arg="result = sweep(", timeout=240_000)
+    page.wait_for_function("""() => { const s = document.querySelector('.cbnb-controls .cbnb-controls-status');
+        return s && /\\b[1-9]\\d* running/.test(s.textContent); }""", timeout=120_000)
+    t0 = time.monotonic()
+    page.locator('.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]').first.click()
+    page.wait_for_function(f"(needle) => !({CELL_RUNNING})(needle)", arg="result = sweep(", timeout=120_000)
+    page.wait_for_function("() => /cbnb: run interrupted: cancelled/.test(document.querySelector('.jp-Notebook')"
+                           ".textContent)", timeout=60_000)
+    page.wait_for_function(f"() => ({LIVE_ROWS})() === 0", timeout=60_000)
+    stopped_s = time.monotonic() - t0
+    live = lab.kernel_eval({"v": "sum(not o.finished for o in engine.requests_snapshot())"})["v"]
+    assert live == "0", f"{live} requests still live in the engine after the stop button"
+    (ARTIFACTS / "nb04_stop.json").write_text(json.dumps({"stop_click_to_board_clear_s": round(stopped_s, 3)}))
+    shots(page, "42-nb04-stopped-during-the-sweep", ".cbnb-board")

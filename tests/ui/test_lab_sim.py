@@ -4,7 +4,7 @@ A notebook builds a simulated llama-3.1-8b on an H100 profile with 300 Poisson a
 `cbnb.ui.Dashboard` on it and starts the simulation at 1.5x simulated time. The test checks that the panels animate
 (the board's finished rows, the plots' steps, the KV page map and the simulated clock all move between two looks),
 that the page map shows the simulated cache, that the Submit panel's workload button submits to the simulator and
-those requests finish, that Pause / Step / Resume step the simulation one simulated step per click, and takes 1440x900 screenshots in the light and dark themes while it runs
+those requests finish, that Pause / Step / Resume step the simulation one simulated step per click, and takes 1440x900 screenshots in the light and dark themes while it runs. A second notebook runs a caller-driven simulation in a cell (`sim.run()`): Pause holds that cell, Step runs one step in it, Resume lets it finish.
 (test-artifacts/ui/sim-{top,plots}-{light,dark}.png).
 """
 
@@ -178,6 +178,88 @@ def test_dashboard_on_a_simulation_animates_and_submits(tmp_path, chromium):
             assert errors == [], errors
             (ARTIFACTS / "sim_dashboard.json").write_text(json.dumps({"first": first, "second": second}))
             py("sim.stop() or dash.close()")
+        finally:
+            page.close()
+    finally:
+        lab.stop()
+
+
+HELD_CELLS = [
+    "import os\nos.setpriority(os.PRIO_PROCESS, 0, 10)  # Chromium shares the cores: let it draw first",
+    "from cbnb.sim import SimEngine\nfrom cbnb.ui import Dashboard\n\n"
+    "sim = SimEngine('llama-3.1-8b', 'h100-sxm')\n"
+    "hs = [sim.submit(list(range(100 + i, 164 + i)), 60) for i in range(16)]\n"
+    "sim.set_step_rate(4)  # slow motion, so the cell is still running when Pause is clicked",
+    "dash = Dashboard(sim)\ndash",
+    "held_out = sim.run()  # caller-driven: this cell runs the simulation, and holds while paused",
+    "held_done = sum(h.result().state.name == 'FINISHED' for h in hs)",
+]
+
+
+def _status_step(page) -> int | None:
+    import re
+
+    m = re.search(r"paused after step (\d+)", page.locator(".cbnb-controls .cbnb-controls-status").text_content())
+    return int(m.group(1)) if m else None
+
+
+def test_pause_holds_a_cell_that_runs_a_simulation_and_step_and_resume_finish_it(tmp_path, chromium):
+    """Pause on a caller-driven simulation holds the cell running `sim.run()` (no exception ends it), each Step runs
+    one step in that cell, and Resume lets the cell finish every request. While the cell runs, only the page is read
+    (the kernel's side channel would queue behind the cell)."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import nbformat
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    nb_path = tmp_path / "sim_held.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in HELD_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(nb_path))
+    lab = Lab([nb_path], env={"CBNB_CI": "1", "OMP_NUM_THREADS": "1"}).start()
+    errors: list[str] = []
+    try:
+        page = chromium.new_page(viewport={"width": 1440, "height": 900})
+        try:
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            open_notebook(page, lab, nb_path.name)
+            run_all(page)
+            page.wait_for_selector(".cbnb-controls .cbnb-pause", timeout=120_000)
+            page.locator(".cbnb-controls").first.scroll_into_view_if_needed()
+            # The run cell has started (its prompt shows "*") and steps have run: pause it.
+            page.wait_for_function("""() => {
+                const p = Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputPrompt'));
+                return p.length >= 5 && p[3].textContent.includes('*')
+                    && /step [1-9]/.test(document.querySelector('.cbnb-controls .cbnb-controls-status').textContent);
+            }""", timeout=120_000)
+            page.locator(".cbnb-controls .cbnb-pause").click()
+            page.wait_for_selector('.cbnb-controls[data-paused="true"]', timeout=60_000)
+            page.wait_for_function("() => /paused after step \\d+/.test(document.querySelector("
+                                   "'.cbnb-controls .cbnb-controls-status').textContent)", timeout=60_000)
+            held = _status_step(page)
+            page.wait_for_timeout(1500)  # wall time passes: the cell holds, no step runs
+            assert _status_step(page) == held
+            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_text_contents()
+            assert "*" in prompts[3], prompts  # the cell holds (no exception ended it)
+            for _ in range(2):
+                page.locator(".cbnb-controls .cbnb-step").click()
+                page.wait_for_function("""(n) => {
+                    const m = /paused after step (\\d+)/.exec(
+                        document.querySelector('.cbnb-controls .cbnb-controls-status').textContent);
+                    return m && Number(m[1]) === n;
+                }""", arg=held + 1, timeout=60_000)
+                held += 1
+            assert "*" in page.locator(".jp-CodeCell .jp-InputPrompt").all_text_contents()[3]
+            page.locator(".cbnb-controls .cbnb-controls-status").scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "sim-held-cell-light.png"))
+            page.locator(".cbnb-controls .cbnb-resume").click()
+            wait_run_all_done(page, timeout_ms=300_000)  # the held cell, then the last one, end without an error
+            assert lab.kernel_eval({"v": "held_done"})["v"] == "16"
+            assert lab.kernel_eval({"v": "dash.poller.errors"})["v"] == "[]"
+            assert errors == [], errors
+            lab.kernel_eval({"v": "dash.close()"})
         finally:
             page.close()
     finally:

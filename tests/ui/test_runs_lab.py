@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CELLS = [
     "import cbnb\n"
     "from cbnb.lab import traffic as tr\n"
-    "from cbnb.lab.peers import HFContinuousBatching\n"
+    "from cbnb.bench.engine_peer import HFContinuousBatching\n"
     "from cbnb.lab.tuning import run_workload, sweep\n"
     "from cbnb.ui import Dashboard\n"
     "from cbnb.lab.workloads import synthetic\n"

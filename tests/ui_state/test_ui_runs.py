@@ -8,7 +8,7 @@ import time
 import pytest
 
 from cbnb.core.config import ContinuousBatchingConfig as C
-from cbnb.lab.runs import RunLog
+from cbnb.telemetry.runs import RunLog
 from cbnb.ui.poller import Frame
 from cbnb.ui.runs_panel import RunsPanel, chart_data, group_rows
 

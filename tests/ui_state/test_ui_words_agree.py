@@ -80,12 +80,10 @@ def test_a_block_shared_by_requests_admitted_together_says_why_none_shows_it_cac
                                                            allow_block_sharing=True)).start()
     try:
         prefix = list(range(3, 51))
+        eng.pause()  # held between steps: the four are admitted in one step, and keep their pages while we look
         for i in range(4):
             eng.submit(prefix + [100 + i, 200 + i], max_new_tokens=150, ignore_eos=True)  # all fit: no soft reset
         end = time.monotonic() + TIMEOUT
-        while not any(o.state.name == "DECODING" for o in eng.requests_snapshot()) and time.monotonic() < end:
-            time.sleep(0.005)
-        eng.pause()  # held between steps: they keep their pages while we look
         while not all(o.state.name == "DECODING" for o in eng.requests_snapshot()) and time.monotonic() < end:
             eng.step()
         kv = KVPageMapPanel(eng, autostart=False)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..lab.metrics import FIGURE_LABELS, higher_is_better
-from ..lab.runs import spread
+from .metrics import FIGURE_LABELS, higher_is_better
+from ..telemetry.runs import provenance_text, spread
 
 __all__ = ["HeatmapGrid", "heatmap_grid", "heatmap"]
 
@@ -110,10 +110,21 @@ def heatmap_grid(result: Any, x: str, y: str, figure: str = "goodput_requests_pe
     return HeatmapGrid(figure, x, y, facet, xs, ys, facets, med, lo, hi, n, best)
 
 
+def _band(result: Any) -> str:
+    """The error band of a simulated sweep's profile(s), for the title ("" for measured runs): every simulated
+    figure a user sees carries it."""
+    labels = sorted({f"{r.provenance.get('profile', '')}: {provenance_text(r.provenance)}"
+                     for r in getattr(result, "runs", []) or []
+                     if (getattr(r, "provenance", None) or {}).get("kind", "measured") != "measured"})
+    return f"<br><sup>simulated on {'; '.join(labels)}</sup>" if labels else ""
+
+
 def heatmap(result: Any, x: str, y: str, figure: str = "goodput_requests_per_s", *, facet: str | None = None,
             workload: str | None = None, title: str | None = None, digits: int = 2):
     """A plotly figure of `heatmap_grid(...)`: one heatmap per facet value, medians written in the cells, the
-    best cell outlined, min-max and run count in the hover text. Needs plotly (``pip install plotly``).
+    best cell outlined, min-max and run count in the hover text; a simulated sweep's title carries its profile's
+    error band ("datasheet: unverified", "±5.6 % on 6 held-out public points"). Needs plotly (``pip install
+    plotly``).
 
     Raises:
         ValueError: as `heatmap_grid`. ImportError: plotly is not installed.
@@ -146,7 +157,8 @@ def heatmap(result: Any, x: str, y: str, figure: str = "goodput_requests_per_s",
                                  hoverinfo="skip", showlegend=False), 1, col)
     best_txt = "" if g.best is None else (f" (best: {x}={g.best[2]}, {y}={g.best[1]}"
                                           + (f", {facet}={g.best[0]}" if facet else "") + f": {g.best[3]:.{digits}f})")
-    fig.update_layout(title=title or f"{label} by {x} x {y}" + (f" x {facet}" if facet else "") + best_txt,
+    fig.update_layout(title=title or f"{label} by {x} x {y}" + (f" x {facet}" if facet else "") + best_txt
+                      + _band(result),
                       coloraxis=dict(colorscale="Viridis" if higher_is_better(figure) else "Viridis_r",
                                      colorbar=dict(title=label)),
                       height=380, margin=dict(l=60, r=20, t=80, b=50))

@@ -2,7 +2,7 @@
 
 ::
 
-    from cbnb.lab.peers import HFContinuousBatching, compare_outputs
+    from cbnb.bench.engine_peer import HFContinuousBatching, compare_outputs
     with HFContinuousBatching(model, config, max_new_tokens=max(wl.max_new_tokens)) as hf:
         hf_run = run_workload(hf, wl, log=engine.runs)       # same workload, same arrival times, same run log
     compare_outputs(cbnb_run, hf_run)                         # greedy tokens, request by request
@@ -12,6 +12,9 @@
 ``add_request(..., record_timestamps=True)``, and reads results on one thread. Timings come from transformers'
 own marks (perf_counter seconds, the driver's wall clock): queued = ``created_time``, scheduled = ``lifespan[0]``,
 finished = ``lifespan[1]``, token times = ``timestamps``.
+
+It lives with the bench's peers (`cbnb.bench.peers`: the peer registry and its set-up), the one place that runs
+peers; the tuning lab drives it like any engine-like object (`cbnb.lab.tuning.run_workload`).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class HFContinuousBatching:
     def start(self) -> "HFContinuousBatching":
         if self.manager is not None:
             return self
-        from ..bench.peers import hf_cb_manager
+        from .peers import hf_cb_manager
 
         if self._share is not None and getattr(self._share, "running", False):
             self._share.stop(drain=True)
@@ -197,7 +200,7 @@ def compare_outputs(a: Any, b: Any) -> dict[str, Any]:
     """Greedy tokens of two runs of the same workload, request by request (in workload order).
 
     Args:
-        a, b: `cbnb.lab.runs.Run`s (their `records`) or lists of records.
+        a, b: `cbnb.telemetry.runs.Run`s (their `records`) or lists of records.
 
     Returns:
         {"requests": n, "identical": count, "agreement_frac": identical / n,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..lab.metrics import FIGURE_LABELS
-from ..lab.runs import provenance_text
+from .metrics import FIGURE_LABELS
+from ..telemetry.runs import provenance_text
 
 __all__ = ["COMPARED", "compare_runs", "compare_figure"]
 
