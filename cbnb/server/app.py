@@ -76,7 +76,8 @@ class ServerContext:
         self.counters = ServerCounters()
         self.collector = EngineCollector(engine, self.counters, connections)
         self.model_name = settings.model_name or model_name_of(engine)
-        self.aliases = [a for a in model_aliases_of(engine) if a != self.model_name]
+        self.aliases = [a for a in dict.fromkeys([*settings.model_aliases, *model_aliases_of(engine)])
+                        if a != self.model_name]
         self.token_text = TokenText(getattr(engine, "tokenizer", None))
         self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine.engine_like`)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted

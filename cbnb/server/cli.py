@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients send 'Authorization: Bearer <key>' (default: $CBNB_API_KEY)")
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="bind a non-loopback address without an API key (anyone reaching the port can use it)")
-    s.add_argument("--served-model-name", dest="model_name", default=None,
-                   help="the model id clients name (default: the model's folder or bundled name)")
+    s.add_argument("--served-model-name", dest="model_names", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients name (default: the model's folder or bundled name); as in vLLM, "
+                   "several names are all accepted and the first is the one listed first")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="largest prompt (default: the context - 1)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
     s.add_argument("--max-concurrent-requests", type=int, default=256, help="requests in flight (429 above)")
@@ -224,7 +225,7 @@ def _load(args: argparse.Namespace) -> Any:
         print(f"cbnb: cannot fetch {args.model} from the hub ({str(e).splitlines()[0][:160]}); serving the "
               f"bundled copy of the same model, {bundled}", file=sys.stderr, flush=True)
         model, tok = load_model(bundled, dtype=dtype, device=args.device)
-        if args.model_name is None:
+        if getattr(args, "model_name", None) is None:
             args.model_name = args.model  # clients name the id they gave, as with vLLM
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
@@ -249,15 +250,18 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}; give one")
     args.model = args.model or args.model_flag
+    args.model_name, args.model_aliases = (args.model_names[0], tuple(args.model_names[1:])) if (
+        args.model_names) else (None, ())
     if args.model is None:
-        parser.error("the model is missing: cbnb serve MODEL (a bundled name, a local folder or a hub id)")
+        parser.error("the model is missing: cbnb serve MODEL (a bundled name, a local folder or a hub id)" + (
+            "; --served-model-name takes every name after it, so give MODEL first" if args.model_names else ""))
     for flag, short in _PARALLEL_VLLM.items():
         if getattr(args, flag[2:].replace("-", "_")) != 1:
             parser.error(f"{flag} ({short}) must be 1: cbnb serves a model on one device")
     try:  # settings and config first: a bad flag fails before the model loads
         ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                        allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name,
-                       max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                       model_aliases=args.model_aliases, max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                        max_model_len=args.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
         config_of(args)
     except ValueError as e:
@@ -296,7 +300,8 @@ def serve_main(argv: Sequence[str]) -> int:
         try:
             server = serve(engine, host=args.host, port=args.port, api_key=args.api_key,
                            allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name or
-                           _default_name(args.model), max_prompt_tokens=args.max_prompt_tokens,
+                           _default_name(args.model), model_aliases=args.model_aliases,
+                           max_prompt_tokens=args.max_prompt_tokens,
                            max_tokens_limit=args.max_tokens_limit, max_model_len=args.max_model_len,
                            max_concurrent_requests=args.max_concurrent_requests)
         except ValueError as e:  # a setting that needs the model to check (--max-model-len above its context)

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 from .settings import ServerSettings
 
@@ -301,7 +301,8 @@ class Server:
 
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          allow_unauthenticated: bool = False, model_name: str | None = None, max_body_bytes: int = 1 << 20,
+          allow_unauthenticated: bool = False, model_name: str | None = None,
+          model_aliases: Sequence[str] = (), max_body_bytes: int = 1 << 20,
           max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
           max_model_len: int | None = None, max_concurrent_requests: int = 256,
           graceful_shutdown_s: float = 3.0) -> Server:
@@ -309,7 +310,7 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str |
 
     Args:
         engine: a `cbnb.Engine` (started if it was never started).
-        host, port, api_key, allow_unauthenticated, model_name, max_body_bytes, max_prompt_tokens,
+        host, port, api_key, allow_unauthenticated, model_name, model_aliases, max_body_bytes, max_prompt_tokens,
         max_tokens_limit, max_model_len, max_concurrent_requests, graceful_shutdown_s: see `ServerSettings`.
 
     A server that this process already runs on `port` is stopped first (re-running a cell replaces it). The
@@ -323,7 +324,8 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     """
     _require_stack()
     settings = ServerSettings(host=host, port=port, api_key=api_key, allow_unauthenticated=allow_unauthenticated,
-                              model_name=model_name, max_body_bytes=max_body_bytes,
+                              model_name=model_name, model_aliases=tuple(model_aliases),
+                              max_body_bytes=max_body_bytes,
                               max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                               max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                               graceful_shutdown_s=graceful_shutdown_s)

@@ -37,6 +37,8 @@ class ServerSettings:
         api_key: clients must send ``Authorization: Bearer <api_key>`` (compared in constant time); None: no key.
         allow_unauthenticated: bind a non-loopback address without a key anyway.
         model_name: the model id in `/v1/models` and responses (None: taken from the model).
+        model_aliases: more names a request's `model` may give (vLLM's ``--served-model-name A B``: B), listed
+            after `model_name` in `/v1/models`; a response echoes the name the request used.
         max_body_bytes: largest request body (413 above it).
         max_prompt_tokens: largest prompt in tokens (400 above it); None: the model's context minus one.
         max_tokens_limit: largest `max_tokens` a request may ask (400 above it); None: the model's context.
@@ -55,6 +57,7 @@ class ServerSettings:
     api_key: str | None = None
     allow_unauthenticated: bool = False
     model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
@@ -71,6 +74,8 @@ class ServerSettings:
             raise ValueError("api_key must be a non-empty string or None")
         if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
             raise ValueError(f"model_name must be a non-empty string or None; got {self.model_name!r}")
+        if not isinstance(self.model_aliases, tuple) or not all(isinstance(a, str) and a for a in self.model_aliases):
+            raise ValueError(f"model_aliases must be a tuple of non-empty strings; got {self.model_aliases!r}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_prompt_tokens", self.max_prompt_tokens, allow_none=True)
         _positive("max_tokens_limit", self.max_tokens_limit, allow_none=True)

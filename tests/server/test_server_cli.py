@@ -61,6 +61,7 @@ def test_vllm_flags_that_change_nothing_are_accepted_with_a_notice(capsys):
                       "--tool-call-parser", "hermes", "--enable-chunked-prefill", "--trust-remote-code",
                       "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", "--enable-log-requests"])
     assert a.model_flag == "m" and a.tensor_parallel_size == 1
+    assert build_parser().parse_args(["m", "--served-model-name", "a", "b"]).model_names == ["a", "b"]
     said = "\n".join(_notices(a))
     for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--enable-chunked-prefill", "--trust-remote-code",
                  "--uvicorn-log-level", "--disable-uvicorn-access-log", "--enable-log-requests"):
@@ -73,6 +74,7 @@ def test_vllm_flags_that_change_nothing_are_accepted_with_a_notice(capsys):
     assert "--max-model-len: max_model_len must be an integer >= 1" in _refused(capsys, "m", "--max-model-len", "0")
     assert "--chat-template: no file 'nope.jinja'" in _refused(capsys, "m", "--chat-template", "nope.jinja")
     assert "the model is missing" in _refused(capsys, "--port", "0")
+    assert "give MODEL first" in _refused(capsys, "--served-model-name", "a", "m")
     assert "unrecognized arguments: --quantization" in _refused(capsys, "m", "--quantization", "fp8")
 
 

@@ -128,13 +128,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served, client):
 
 def test_max_model_len_bounds_prompt_plus_generated_tokens(served):
     """vLLM's --max-model-len: prompt plus max_tokens at most (400 past it), the default max_tokens fills up to it,
-    /v1/models reports it, and a value past the model's context is refused."""
+    /v1/models reports it, and a value past the model's context is refused; --served-model-name's other names."""
     engine, _ = served
     n = len(chat_ids(HI, add_generation_prompt=True))
-    server = engine.serve(port=0, model_name="tiny", max_model_len=n + 5)
+    server = engine.serve(port=0, model_name="tiny", model_aliases=("other-name",), max_model_len=n + 5)
     try:
         with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-            assert c.models.list().data[0].model_extra["max_model_len"] == n + 5
+            cards = c.models.list().data
+            assert [m.id for m in cards][:2] == ["tiny", "other-name"]  # vLLM's --served-model-name tiny other-name
+            assert {m.model_extra["max_model_len"] for m in cards} == {n + 5}
+            assert c.chat.completions.create(model="other-name", messages=HI, max_tokens=1).model == "other-name"
             with pytest.raises(openai.BadRequestError, match=r"max_model_len is \d+ tokens") as e:
                 chat(c, max_tokens=6)
             assert e.value.body["code"] == "context_length_exceeded"
