@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -184,6 +186,18 @@ def config_of(args: argparse.Namespace) -> Any:
     return ContinuousBatchingConfig(**given)
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now, as the server binds it (SO_REUSEADDR: TIME_WAIT does not count)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE  # another error (a bad host) is the server's to report
+    return True
+
+
 def _template_text(value: str) -> str:
     """The Jinja text of ``--chat-template``: a file's content, or `value` itself when it holds Jinja markup.
 
@@ -275,6 +289,10 @@ def serve_main(argv: Sequence[str]) -> int:
             args.chat_template = _template_text(args.chat_template)
         except (OSError, ValueError) as e:
             parser.error(f"--chat-template: {e}")
+    if args.port and not _port_free(args.host, args.port):  # before a load that may take minutes
+        print(f"cbnb serve: error: port {args.port} on {args.host} is in use by another program: stop it, or pass "
+              "another --port (--port 0 picks a free one)", file=sys.stderr, flush=True)
+        return 1
     for line in _notices(args):
         print(f"cbnb: {line}", file=sys.stderr, flush=True)
     stop = threading.Event()
@@ -307,6 +325,10 @@ def serve_main(argv: Sequence[str]) -> int:
         except ValueError as e:  # a setting that needs the model to check (--max-model-len above its context)
             print(f"cbnb serve: error: {e}", file=sys.stderr, flush=True)
             return 2
+        except OSError as e:  # the port is taken: the reason, not a traceback
+            why = (e.strerror or str(e)).replace("port=0 picks", "--port 0 picks")
+            print(f"cbnb serve: error: {why}", file=sys.stderr, flush=True)
+            return 1
         print(f"cbnb: serving {server.model_name} at {server.url} (loaded in {time.monotonic() - t0:.1f} s; "
               "Ctrl-C to stop)", flush=True)
         print(f"cbnb: try  {_snippet(server.url, server.model_name, args.api_key)}", flush=True)

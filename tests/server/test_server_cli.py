@@ -137,6 +137,21 @@ def test_off_localhost_without_a_key_is_refused_before_loading():
     assert r.returncode == 2 and "api_key" in r.stderr and "loading" not in r.stdout
 
 
+def test_a_port_in_use_is_a_one_line_error_not_a_traceback():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([*COMMAND, "tiny:llama", "--port", str(port)], capture_output=True, text=True,
+                           timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    assert f"cbnb serve: error: port {port} on 127.0.0.1 is in use by another program" in r.stderr
+    assert "--port 0 picks a free one" in r.stderr and "Traceback" not in r.stderr
+    assert "loading" not in r.stdout  # found before the model loads
+
+
 def _lines(proc: subprocess.Popen) -> queue.Queue:
     q: queue.Queue = queue.Queue()
 
