@@ -275,8 +275,9 @@ def serve_main(argv: Sequence[str]) -> int:
     try:  # settings and config first: a bad flag fails before the model loads
         ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                        allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name,
-                       model_aliases=args.model_aliases, max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                       max_model_len=args.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
+                       model_aliases=args.model_aliases, max_prompt_tokens=args.max_prompt_tokens,
+                       max_tokens_limit=args.max_tokens_limit, max_model_len=args.max_model_len,
+                       max_concurrent_requests=args.max_concurrent_requests)
         config_of(args)
     except ValueError as e:
         msg = str(e)
