@@ -154,7 +154,7 @@ def paused(engine: cbnb.Engine):
 
     Submissions made inside the block are therefore all applied in the same loop turn.
     """
-    from cbnb.sim._together import submitted_together
+    from cbnb.measure._together import submitted_together
 
     return submitted_together(engine, TIMEOUT)
 

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         with cbnb.Engine(model, tok, cfg) as eng:
             curves.append(load_sweep(eng, wl, progress=True, **loads))
     if args.profile:
-        from ..sim import SimEngine, calibrate
+        from ..measure import calibrate
+        from ..sim import SimEngine
 
         prof = (calibrate(wl.model, save=False, threads=args.threads, model=model) if args.profile == "calibrate"
                 else args.profile)

@@ -205,7 +205,7 @@ def fused_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 def runner_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``linear(x, weight)`` as the CPU runner computes it for weights of `dtype` (the oneDNN op for float32 with
     the fast path on, on a packed copy of each weight made at its first call while packing is on; else
-    ``F.linear``): what `cbnb.sim.calibrate` and the bench's roofline probe time, so they price the engine's GEMMs.
+    ``F.linear``): what `cbnb.measure.calibrate` and the bench's roofline probe time, so they price the engine's GEMMs.
     The packed copies live as long as the returned function."""
     op = _op()
     if not (dtype == torch.float32 and wanted() and available()):

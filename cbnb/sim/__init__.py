@@ -12,12 +12,15 @@
   `driver_clock`, `cbnb.sim.clock`); `cbnb.sim.heatmap` plots a sweep's figure over two config fields and
   `cbnb.sim.compare` a simulated run against a measured one (plotly only when a figure is drawn).
 
-`calibrate()` measures this machine (it uses torch when installed); everything else imports without torch.
+Measuring this machine (`calibrate`, ``validate``, ``fit_vllm``, ``scale``) lives in `cbnb.measure`, above this
+package; ``cbnb.sim.calibrate`` stays as a lazy alias of `cbnb.measure.calibrate` (loaded on first use, so importing
+`cbnb.sim` never imports `cbnb.measure`). Imports without torch.
 """
 
 from __future__ import annotations
 
-from .calibrate import calibrate  # the function, bound after the submodule loads (so it never shadows it)
+from typing import Any
+
 from .cost import CostModel, RowLoad, StepCost, StepLoad
 from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationPaused, SimulationStuck
 from .profiles import PROFILE_NAMES, HardwareProfile, load_profile
@@ -25,5 +28,14 @@ from .shapes import SHAPE_NAMES, ModelShape, load_shape
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "HardwareProfile", "load_profile", "PROFILE_NAMES", "CostModel",
            "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck",
-           "SimulationPaused", "SIM_TOKEN", "calibrate"]
+           "SimulationPaused", "SIM_TOKEN"]
 
+
+def __getattr__(name: str) -> Any:
+    """``cbnb.sim.calibrate``: `cbnb.measure.calibrate`, imported on first use (a lazy alias: `cbnb.measure`
+    imports this package)."""
+    if name == "calibrate":
+        from ..measure import calibrate
+
+        return calibrate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

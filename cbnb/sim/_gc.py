@@ -2,7 +2,7 @@
 
 A simulation allocates many small records that live long (events, request outputs, plans): with CPython's default
 thresholds (700, 10, 10) the collector re-scans that growing heap so often that it took half of the host time of
-`python -m cbnb.sim.scale` here (5,000 requests: 22 s -> 9 s with a generation-0 threshold of 10,000, same
+`python -m cbnb.measure.scale` here (5,000 requests: 22 s -> 9 s with a generation-0 threshold of 10,000, same
 results). The previous thresholds come back when the outermost `relaxed_gc()` ends (it nests, and it is
 thread-safe); reference counting frees everything else as usual.
 """

@@ -4,8 +4,8 @@ A `HardwareProfile` gives memory, dense peak FLOP/s per dtype, memory and host<-
 costs of a step (host overhead with and without CUDA graphs, per-kernel launch, per decoder layer, per attention
 call, per scheduled request). Bundled GPU profiles (``cbnb/sim/data/profiles/*.json``: h100-sxm, h200, a100-80gb,
 l4, rtx-4090) copy their memory, FLOP/s and bandwidth figures from the vendors' datasheets, each cited in the file;
-the overheads and achievable fractions there are stated assumptions until `cbnb.sim.calibrate()` measures them on the
-device. The ``cpu`` profile is measured on this machine by `cbnb.sim.calibrate()` and saved under
+the overheads and achievable fractions there are stated assumptions until `cbnb.measure.calibrate()` measures them on the
+device. The ``cpu`` profile is measured on this machine by `cbnb.measure.calibrate()` and saved under
 ``~/.cache/cbnb/sim/cpu.json`` (or ``$CBNB_CACHE_DIR/sim``).
 
 Units: bytes, bytes per second, FLOP per second, seconds. `peak_flops` keys are dtype names ("float32",
@@ -23,6 +23,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ._profile_checks import COST_FACTORS, check_profile  # noqa: F401 (COST_FACTORS: re-exported)
 from .shapes import normalize_dtype
 
 __all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_dir", "profile_for_device", "TRUST_TEXT",
@@ -30,8 +31,6 @@ __all__ = ["HardwareProfile", "load_profile", "PROFILE_NAMES", "profile_cache_di
 
 _DATA = pathlib.Path(__file__).resolve().parent / "data" / "profiles"
 PROFILE_NAMES: tuple[str, ...] = tuple(sorted(p.stem for p in _DATA.glob("*.json"))) + ("cpu",)
-_KINDS = ("gpu", "cpu")
-_RUNNERS = ("cuda", "cpu")
 
 
 def profile_cache_dir() -> pathlib.Path:
@@ -39,13 +38,6 @@ def profile_cache_dir() -> pathlib.Path:
     env = os.environ.get("CBNB_CACHE_DIR")
     root = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "cbnb"
     return root / "sim"
-
-
-def _positive(name: str, v: Any, *, zero_ok: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 if zero_ok else v > 0)
-    if not ok:
-        raise ValueError(f"HardwareProfile.{name} must be a {'non-negative' if zero_ok else 'positive'} number; "
-                         f"got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ class HardwareProfile:
             `decode_kernel_bandwidth`.
         threads: CPU threads the figures were measured with; the decode kernel's thread imbalance (few rows: fewer
             (row, KV head) items than threads can share evenly) is modelled with it. None: not modelled.
-        cost_factors: multipliers of the cost model's groups, measured end to end (`cbnb.sim.calibrate` runs
+        cost_factors: multipliers of the cost model's groups, measured end to end (`cbnb.measure.calibrate` runs
             `cbnb.Engine` on a random-weight model of the shape and fits them to its step times): "compute" (linear,
             elementwise, LM head, sampling; a number, or a curve ``[[rows, factor], ...]`` over the step's query
             tokens, interpolated in log rows), "attention" (prefill chunks), "decode_attention" (decode rows) and
@@ -116,7 +108,7 @@ class HardwareProfile:
         provenance: where the figures come from and how far to trust them (`trust()` fills the default): ``kind``
             "datasheet" (vendors' figures, assumed efficiencies and overheads: unverified), "custom" (made by hand),
             "calibrated" (measured
-            on this machine by `cbnb.sim.calibrate`) or "fitted" (`cbnb.sim.fit_vllm.fit_profile`: efficiencies and
+            on this machine by `cbnb.measure.calibrate`) or "fitted" (`cbnb.measure.fit_vllm.fit_profile`: efficiencies and
             step cost fitted to N ``vllm bench serve`` runs), with ``runs``, ``error_pct`` (the error on the runs
             it was fitted on / validated against), ``loo_error_pct`` (leave-one-out) and free ``details``.
     """
@@ -161,12 +153,12 @@ class HardwareProfile:
 
     def trust(self) -> dict[str, Any]:
         """The profile's provenance (see the attribute), with the default when none was recorded: a GPU profile is
-        "datasheet" (no error known), a profile `cbnb.sim.calibrate` measured (its sources say so) "calibrated"
-        with the errors of the last published ``python -m cbnb.sim.validate`` (`VALIDATION`), any other (made by
+        "datasheet" (no error known), a profile `cbnb.measure.calibrate` measured (its sources say so) "calibrated"
+        with the errors of the last published ``python -m cbnb.measure.validate`` (`VALIDATION`), any other (made by
         hand) "custom" (no error known). Keys: kind, runs, error_pct, loo_error_pct, what (a
         sentence saying what the prediction can be trusted for), details."""
         prov = dict(self.provenance or {})
-        measured = any(str(v).startswith("measured by cbnb.sim.calibrate") for v in dict(self.sources).values())
+        measured = any(str(v).startswith(CALIBRATED_PREFIXES) for v in dict(self.sources).values())
         kind = prov.get("kind") or ("calibrated" if measured else "datasheet" if self.kind == "gpu" else "custom")
         if kind not in TRUST_TEXT:
             raise ValueError(f"HardwareProfile.provenance['kind'] must be one of {', '.join(TRUST_TEXT)}; got {kind!r}")
@@ -182,77 +174,7 @@ class HardwareProfile:
         return out
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"HardwareProfile.name must be a non-empty string; got {self.name!r}")
-        if self.kind not in _KINDS:
-            raise ValueError(f"HardwareProfile.kind must be one of {', '.join(_KINDS)}; got {self.kind!r}")
-        if self.runner not in _RUNNERS:
-            raise ValueError(f"HardwareProfile.runner must be one of {', '.join(_RUNNERS)}; got {self.runner!r}")
-        for f in ("memory_bytes", "memory_bandwidth", "host_device_bandwidth"):
-            _positive(f, getattr(self, f))
-        for f in ("step_overhead_s", "step_overhead_graph_s", "kernel_launch_s", "request_overhead_s",
-                  "reserved_bytes"):
-            _positive(f, getattr(self, f), zero_ok=True)
-        for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "gather_bandwidth",
-                  "decode_kernel_bandwidth", "decode_kernel_shared_bandwidth", "host_memory_bytes"):
-            if getattr(self, f) is not None:
-                _positive(f, getattr(self, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth",
-                                                                 "decode_kernel_bandwidth",
-                                                                 "decode_kernel_shared_bandwidth"))
-        _positive("decode_kernel_call_s", self.decode_kernel_call_s, zero_ok=True)
-        if self.past_attention_flops is not None:
-            _positive("past_attention_flops", self.past_attention_flops)
-        for f in ("past_attention_key_s", "past_attention_call_s"):
-            _positive(f, getattr(self, f), zero_ok=True)
-        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(f"HardwareProfile.threads must be an integer >= 1 or None; got {self.threads!r}")
-        if self.cost_factors is not None:
-            bad = sorted(set(self.cost_factors) - set(COST_FACTORS))
-            if bad:
-                raise ValueError(f"HardwareProfile.cost_factors: unknown group(s) {', '.join(bad)}; allowed: "
-                                 f"{', '.join(COST_FACTORS)}")
-            clean_f: dict[str, Any] = {}
-            for k, v in self.cost_factors.items():
-                if k == "compute" and isinstance(v, (list, tuple)):  # a curve: [[rows, factor], ...]
-                    try:
-                        pts = sorted((float(r), float(f)) for r, f in v)
-                    except (TypeError, ValueError):
-                        pts = []
-                    if not pts or any(r < 1 or not 0 < f < 100 for r, f in pts):
-                        raise ValueError("HardwareProfile.cost_factors['compute'] as a curve must be [rows, factor] "
-                                         f"pairs with rows >= 1 and factors in (0, 100); got {v!r}")
-                    clean_f[k] = [list(p) for p in pts]
-                    continue
-                if not (isinstance(v, (int, float)) and 0 < v < 100):
-                    raise ValueError(f"HardwareProfile.cost_factors[{k!r}] must be in (0, 100); got {v!r}")
-                clean_f[k] = float(v)
-            object.__setattr__(self, "cost_factors", clean_f)
-        for f in ("flops_efficiency", "bandwidth_efficiency"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and 0 < v <= 1):
-                raise ValueError(f"HardwareProfile.{f} must be in (0, 1]; got {v!r}")
-        if not self.peak_flops:
-            raise ValueError("HardwareProfile.peak_flops must name at least one dtype")
-        peaks = {}
-        for k, v in dict(self.peak_flops).items():
-            key = "tf32" if k == "tf32" else normalize_dtype(k)
-            _positive(f"peak_flops[{k!r}]", v)
-            peaks[key] = float(v)
-        object.__setattr__(self, "peak_flops", peaks)
-        for f in ("gemm_flops", "attention_flops", "elementwise_curve"):
-            curves = getattr(self, f)
-            if curves is None:
-                continue
-            clean = {}
-            for k, pts in dict(curves).items():
-                rows = sorted((float(m), float(r)) for m, r in pts)
-                if not rows or any(m <= 0 or r <= 0 for m, r in rows):
-                    raise ValueError(f"HardwareProfile.{f}[{k!r}] must be non-empty [rows, rate] pairs, all > 0")
-                clean[normalize_dtype(k)] = [list(p) for p in rows]
-            object.__setattr__(self, f, clean)
-        if self.memory_bytes <= self.reserved_bytes:
-            raise ValueError(f"HardwareProfile.reserved_bytes ({self.reserved_bytes}) must be below memory_bytes "
-                             f"({self.memory_bytes})")
+        check_profile(self)
 
     # ------------------------------------------------------------------------------------------ rates
     @property
@@ -356,8 +278,9 @@ class HardwareProfile:
         return dataclasses.replace(self, **changes)
 
 
-#: The cost model's groups a profile's `cost_factors` may scale (see `HardwareProfile.cost_factors`).
-COST_FACTORS = ("compute", "attention", "decode_attention", "fixed")
+#: How `cbnb.measure.calibrate` begins each of a profile's `sources` (and, before 2026-12, ``cbnb.sim.calibrate``):
+#: what marks a profile as calibrated when it names no provenance.
+CALIBRATED_PREFIXES = ("measured by cbnb.measure.calibrate", "measured by cbnb.sim.calibrate")
 
 #: What each kind of profile's predictions can be trusted for (printed with every simulated run's provenance).
 TRUST_TEXT = {
@@ -372,7 +295,7 @@ TRUST_TEXT = {
                "to much longer prompts, other models or other GPUs is not covered"),
 }
 
-#: The last published ``python -m cbnb.sim.validate`` (README, the last of three runs of 2026-12-06, ``--threads 2``,
+#: The last published ``python -m cbnb.measure.validate`` (README, the last of three runs of 2026-12-06, ``--threads 2``,
 #: the 2-core development machine): per-workload median |per-step error| and signed wall-time error, percent. A
 #: calibrated CPU profile's `trust()` quotes them; its ``error_pct`` is the largest |wall error| of that day's three
 #: runs (the two earlier ones missed the wall target where the machine had slowed down after the calibration).
@@ -389,7 +312,7 @@ VALIDATION: dict[str, Any] = {
 def load_profile(source: Any) -> HardwareProfile:
     """A `HardwareProfile` from a name (`PROFILE_NAMES`), a JSON path, a dict, or a profile (returned as is).
 
-    ``"cpu"`` is the profile `cbnb.sim.calibrate()` saved for this machine.
+    ``"cpu"`` is the profile `cbnb.measure.calibrate()` saved for this machine.
 
     Raises:
         ValueError: an unknown name (the message lists the choices), a missing ``cpu`` calibration (the message says
@@ -408,7 +331,7 @@ def load_profile(source: Any) -> HardwareProfile:
     elif text == "cpu":
         path = profile_cache_dir() / "cpu.json"
         if not path.is_file():
-            raise ValueError("no 'cpu' profile on this machine yet: run cbnb.sim.calibrate() (about a minute), "
+            raise ValueError("no 'cpu' profile on this machine yet: run cbnb.measure.calibrate() (about a minute), "
                              f"which saves it to {path}")
     else:
         path = pathlib.Path(text).expanduser()

@@ -15,6 +15,7 @@ import pytest
 from cbnb import bench
 from cbnb.bench import roofline
 from cbnb.bench.rounds import Entry, rotation, run_rounds, spread, summarize
+from cbnb.measure import rates
 
 from helpers_engine import tiny_model
 
@@ -218,7 +219,7 @@ def test_gemm_probe_times_only_f_linear_with_the_fast_path_off(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------- end to end
 def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(roofline, "bandwidth", lambda **kw: 1e10)  # no 1 GiB copy in the test suite
+    monkeypatch.setattr(rates, "bandwidth", lambda **kw: 1e10)  # no 1 GiB copy in the test suite (`probe` calls it)
     path = tmp_path / "bench.json"
     assert bench.main(["--model", "tiny:llama", "--scale", "0.1", "--repeat", "2", "--lone", "1", "--threads", "1",
                        "--json", str(path)]) == 0

@@ -62,7 +62,7 @@ def test_provenance_of_each_kind():
     assert provenance(object()) == {"kind": "measured"}
     cpu = load_profile("h100-sxm").replace(name="my-cpu", kind="cpu", runner="cpu")
     assert cpu.trust()["kind"] == "custom" and cpu.trust()["error_pct"] is None
-    measured = cpu.replace(sources={"gemm_flops": "measured by cbnb.sim.calibrate (torch): GEMMs"})
+    measured = cpu.replace(sources={"gemm_flops": "measured by cbnb.measure.calibrate (torch): GEMMs"})
     t = measured.trust()
     assert t["kind"] == "calibrated" and t["error_pct"] == VALIDATION["wall_error_pct_max"]
     run = run_workload(_sim(), synthetic("one", 2, tr.Offline(), tr.Fixed(32), tr.Fixed(2), vocab_size=128000),

@@ -9,8 +9,8 @@ import pytest
 
 from cbnb.sim.profiles import load_profile
 
-# the module (``cbnb.sim.calibrate`` the attribute is the function `cbnb.sim` re-exports)
-cal = importlib.import_module("cbnb.sim.calibrate")
+# the module (``cbnb.measure.calibrate`` the attribute is the function `cbnb.measure` re-exports)
+cal = importlib.import_module("cbnb.measure.calibrate")
 
 
 def test_refuses_on_a_busy_machine_before_measuring(monkeypatch):

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 from cbnb.core.config import ContinuousBatchingConfig  # noqa: E402
 from cbnb.sim import CostModel, StepLoad  # noqa: E402
-from cbnb.sim import _calibrate_torch as impl  # noqa: E402
+from cbnb.measure import _torch_fit as impl  # noqa: E402
 
 from test_sim_cost import CPU, TOY  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 
 from cbnb.lab import traffic as tr
 from cbnb.sim import SimEngine
-from cbnb.sim.fit_vllm import FIGURES, fit_profile, predict, read_vllm_result
+from cbnb.measure.fit_vllm import FIGURES, fit_profile, predict, read_vllm_result
 from cbnb.sim.profiles import load_profile
 from cbnb.lab.tuning import run_workload
 from cbnb.lab.workloads import synthetic, with_arrivals

@@ -70,7 +70,7 @@ def test_files_round_trip_and_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown hardware profile 'tpu-v9'.*h100-sxm"):
         load_profile("tpu-v9")
     monkeypatch.setenv("CBNB_CACHE_DIR", str(tmp_path / "empty"))
-    with pytest.raises(ValueError, match=r"run cbnb.sim.calibrate\(\)"):
+    with pytest.raises(ValueError, match=r"run cbnb.measure.calibrate\(\)"):
         load_profile("cpu")
     with pytest.raises(ValueError, match="reserved_bytes"):
         p.replace(reserved_bytes=p.memory_bytes)
@@ -89,12 +89,12 @@ def _valid_measured(p: HardwareProfile) -> None:
     assert rows == sorted(rows) and rows[0] == 1
     for f in ("step_overhead_s", "kernel_launch_s", "layer_overhead_s", "attention_call_s", "request_overhead_s"):
         assert getattr(p, f) >= 0, f
-    assert all(v.startswith("measured by cbnb.sim.calibrate") for v in p.sources.values())
+    assert all(v.startswith("measured by cbnb.measure.calibrate") for v in p.sources.values())
 
 
 def test_calibrate_quick_gives_a_saveable_cpu_profile(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from cbnb.sim import calibrate
+    from cbnb.measure import calibrate
 
     monkeypatch.setenv("CBNB_CACHE_DIR", str(tmp_path))
     p = calibrate(TOY, quick=True)
@@ -109,7 +109,7 @@ def test_calibrate_quick_gives_a_saveable_cpu_profile(tmp_path, monkeypatch):
 
 def test_calibrate_without_torch_uses_numpy(tmp_path):
     code = ("import sys\nfor m in ('torch', 'transformers'): sys.modules[m] = None\n"
-            "from cbnb.sim import calibrate, ModelShape\n"
+            "from cbnb.measure import calibrate\nfrom cbnb.sim import ModelShape\n"
             "s = ModelShape('toy', 'llama', 2, 64, 128, 4, 2, 16, 512, dtype='float32')\n"
             f"p = calibrate(s, quick=True, save={str(tmp_path / 'cpu.json')!r})\n"
             "print(p.notes)")

@@ -1,4 +1,4 @@
-"""`python -m cbnb.sim.validate`: argument errors, and one small real comparison (plans identical, figures present;
+"""`python -m cbnb.measure.validate`: argument errors, and one small real comparison (plans identical, figures present;
 no accuracy is asserted: timing depends on the machine's load)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 
 
 def test_unknown_workload_is_an_argument_error():
-    out = subprocess.run([sys.executable, "-m", "cbnb.sim.validate", "--workloads", "cpu-32,nope"],
+    out = subprocess.run([sys.executable, "-m", "cbnb.measure.validate", "--workloads", "cpu-32,nope"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown nope" in out.stderr and "long-gen" in out.stderr
 
 
 def test_repeat_must_be_at_least_one():
-    from cbnb.sim.validate import validate_workload
+    from cbnb.measure.validate import validate_workload
 
     with pytest.raises(ValueError, match="repeat must be an integer >= 1"):
         validate_workload("cpu-32", "cpu", repeat=0)
@@ -26,7 +26,7 @@ def test_repeat_must_be_at_least_one():
 @pytest.mark.slow
 def test_validate_workload_small_cpu32_has_identical_plans():
     pytest.importorskip("torch")
-    from cbnb.sim.validate import validate_workload
+    from cbnb.measure.validate import validate_workload
 
     from test_sim_decisions import TEST_CPU
 
@@ -43,7 +43,7 @@ def test_validate_workload_small_cpu32_has_identical_plans():
 
 def test_predict_prints_the_gpu_prediction_without_torch():
     code = ("import sys\nfor m in ('torch', 'transformers'): sys.modules[m] = None\n"
-            "from cbnb.sim.validate import main\nmain(['--predict', 'h200'])")
+            "from cbnb.measure.validate import main\nmain(['--predict', 'h200'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -52,7 +52,7 @@ def test_predict_prints_the_gpu_prediction_without_torch():
 
 
 def test_predict_names_an_unknown_profile():
-    from cbnb.sim.validate import predict
+    from cbnb.measure.validate import predict
 
     with pytest.raises(ValueError, match="h900"):
         predict("nanovllm-256", "h900", scale=0.05)
@@ -60,7 +60,7 @@ def test_predict_names_an_unknown_profile():
 
 def test_predict_figures_come_from_the_simulation():
     from cbnb.sim import SimEngine
-    from cbnb.sim.validate import predict
+    from cbnb.measure.validate import predict
     from cbnb.lab.workloads import get_workload
 
     p = predict("nanovllm-256", "h200", scale=0.05)
@@ -77,7 +77,7 @@ def test_replay_costs_a_real_plan_step_by_step():
     from types import SimpleNamespace
 
     from cbnb.sim import CostModel, StepLoad, load_shape
-    from cbnb.sim.validate import _replay_costs
+    from cbnb.measure.validate import _replay_costs
 
     from test_sim_decisions import TEST_CPU
 
@@ -97,7 +97,7 @@ def test_replay_costs_a_real_plan_step_by_step():
 @pytest.mark.slow
 def test_validate_timed_workload_replays_the_real_plans():
     pytest.importorskip("torch")
-    from cbnb.sim.validate import validate_workload
+    from cbnb.measure.validate import validate_workload
 
     from test_sim_decisions import TEST_CPU
 

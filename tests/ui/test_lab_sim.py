@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CELLS = [
     "import os\nos.setpriority(os.PRIO_PROCESS, 0, 10)  # Chromium shares the cores: let it draw first",
-    "from cbnb.sim import SimEngine\nfrom cbnb.sim.scale import poisson_requests\nfrom cbnb.ui import Dashboard\n\n"
+    "from cbnb.sim import SimEngine\nfrom cbnb.measure.scale import poisson_requests\nfrom cbnb.ui import Dashboard\n\n"
     "sim = SimEngine('llama-3.1-8b', 'h100-sxm')\n"
     "for i, (t, ids, n) in enumerate(poisson_requests(300, 10.0, vocab=sim.vocab_size)):\n"
     "    sim.submit(ids, n, request_id=f'p{i}', arrival_s=t)\nsim",

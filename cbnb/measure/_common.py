@@ -1,4 +1,4 @@
-"""What `cbnb.sim.calibrate` and its two back-ends (`_calibrate_torch`, `_calibrate_numpy`) share: the row counts
+"""What `cbnb.measure.calibrate` and its two back-ends (`_calibrate_torch`, `_calibrate_numpy`) share: the row counts
 measured and the timing helpers. Its own module so that the back-ends never import `calibrate` (which imports them).
 """
 

@@ -1,4 +1,4 @@
-"""Rough NumPy measurements behind `cbnb.sim.calibrate` when torch is not installed (no cbnb runner to time)."""
+"""Rough NumPy measurements behind `cbnb.measure.calibrate` when torch is not installed (no cbnb runner to time)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._calibrate_common import _ROWS, _median_time, _positive
-from .shapes import ModelShape
+from ._common import _ROWS, _median_time, _positive
+from ..sim.shapes import ModelShape
 
 METHODS = {
     "memory_bandwidth": "NumPy copy of 256 MiB, (read + write) bytes / s",

@@ -35,8 +35,8 @@ import time
 import warnings
 from typing import Any
 
-from .profiles import HardwareProfile
-from .shapes import load_shape
+from ..sim.profiles import HardwareProfile
+from ..sim.shapes import load_shape
 
 __all__ = ["calibrate"]
 
@@ -98,9 +98,9 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
     s = load_shape(shape, dtype=dtype)
     log = print if verbose else (lambda *a, **k: None)
     try:
-        from . import _calibrate_torch as impl
+        from . import _torch as impl
     except ImportError:  # no torch (or no transformers): NumPy microbenchmarks only
-        from . import _calibrate_numpy as impl  # type: ignore[no-redef]
+        from . import _numpy as impl  # type: ignore[no-redef]
     figures = impl.measure(s, threads=threads, quick=quick, log=log, budget_s=budget_s)
     load1 = _loadavg()
     is_busy = machine_busy(load0, load1, cores, int(figures.get("threads") or 1)) or bool(figures.get("noisy"))
@@ -125,7 +125,7 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         decode_kernel_shared_bandwidth=kernel.get("shared_bandwidth"),
         prefill_kernel_flops=pre.get("flops"), prefill_kernel_call_s=pre.get("call_s", 0.0),
         threads=int(figures.get("threads") or 1),
-        sources={k: f"measured by cbnb.sim.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
+        sources={k: f"measured by cbnb.measure.calibrate ({figures['backend']}): {v}" for k, v in impl.METHODS.items()},
         notes=(f"calibrated at shape {s.name} ({s.dtype}) with {figures['threads']} threads, {figures['backend']}, "
                f"on {time.strftime('%Y-%m-%d %H:%M')}, in {time.perf_counter() - t_start:.0f} s"
                + ("" if figures["backend"].startswith("torch") else "; fixed costs estimated, not measured")
