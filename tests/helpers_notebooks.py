@@ -13,7 +13,7 @@ EXPECT = {
     "05_what_if_production.ipynb": ["llama-3.1-8b: 32 layers", "configs x", "What the numbers say",
                                     "goodput (req/s) by page_size x max_batch_tokens x safety_margin (best: ",
                                     "winner: goodput", "ContinuousBatchingConfig(", "vllm serve meta-llama/Llama-3.1-8B",
-                                    "predicted"],
+                                    "The two policies on the same traffic", "predicted"],
     "06_serve_and_load.ipynb": ["-> '", "sources: ['http 127.0.0.1:", "client TTFT p50/90/99", "engine TTFT p50/90/99",
                                 "cbnb_kv_usage_blocks_ratio", "stopped"],
 }

@@ -26,8 +26,8 @@ CORE = ["cbnb.core", "cbnb.core.config", "cbnb.core.requests", "cbnb.core.sampli
         "cbnb.lab.workloads"]
 # The simulator: importable (and usable) on a machine without torch.
 SIM = ["cbnb.sim", "cbnb.sim.shapes", "cbnb.sim.profiles", "cbnb.sim.cost", "cbnb.sim.loads", "cbnb.sim.engine",
-       "cbnb.sim.loop", "cbnb.sim.playback", "cbnb.sim.clock", "cbnb.sim.heatmap", "cbnb.sim.compare",
-       "cbnb.sim.executor", "cbnb.sim.driving",
+       "cbnb.sim.arrivals", "cbnb.sim.build", "cbnb.sim.playback", "cbnb.sim.clock", "cbnb.sim.heatmap",
+       "cbnb.sim.compare", "cbnb.sim.executor", "cbnb.sim.driving",
        # measuring this machine (calibrate falls back to NumPy), and the old names kept as aliases
        "cbnb.measure", "cbnb.measure.calibrate", "cbnb.measure.validate", "cbnb.measure.scale",
        "cbnb.measure.fit_vllm", "cbnb.measure.rates", "cbnb.sim.validate", "cbnb.sim.scale", "cbnb.sim.fit_vllm"]

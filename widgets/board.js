@@ -74,7 +74,8 @@ function render({ model, el }) {
     const es = model.get("engine_state") || "";
     const esText = es === "paused" ? "paused (step mode: Step or Resume)" : (es || "?");
     summary.textContent = `engine ${esText} · ` + (parts.length ? parts.join(" · ") : "no requests")
-      + (hidden ? ` · ${hidden} older ended requests not listed` : "");
+      + (hidden ? ` · ${hidden} older ended requests not listed` : "")
+      + (model.get("note") ? ` · ${model.get("note")}` : "");
     const rows = model.get("rows") || [];
     const live = rows.filter((r) => !CBNB_TERMINAL.has(r[ix.state])).length;
     cancelAll.disabled = live === 0;
@@ -98,7 +99,10 @@ function render({ model, el }) {
             td.append(b);
           }
         }
-        else if (c === "prompt_text") { td.textContent = v || "–"; td.title = v || ""; }
+        else if (c === "prompt_text") {  // at most 3 lines (the rest in the title): rows stay short at 2x
+          td.append(cbnbEl("span", "cbnb-clamp", v || "–"));
+          td.title = v || "";
+        }
         else if (c === "output_tokens") {
           const max = r[ix.max_new_tokens];
           const bar = cbnbEl("div", "cbnb-progress");
@@ -153,7 +157,7 @@ function render({ model, el }) {
   };
   window.addEventListener("pointerup", release, true);
   window.addEventListener("pointercancel", release, true);
-  const names = ["rows", "counts", "hidden", "engine_state", "selected", "columns"];
+  const names = ["rows", "counts", "hidden", "note", "engine_state", "selected", "columns"];
   for (const n of names) model.on(`change:${n}`, schedule);
   draw();
   return () => {

@@ -11,7 +11,8 @@ const KV_LABELS = {
 // [r, g, b] per state and theme; allocated/shared hues depend on the attention type.
 const KV_BASES = {
   light: { free: [226, 228, 232], cached: [242, 169, 59], reserved: [60, 60, 60], other_group: [250, 250, 250] },
-  dark: { free: [62, 66, 72], cached: [226, 150, 40], reserved: [185, 185, 185], other_group: [30, 30, 30] },
+  // free: light enough to read against JupyterLab's near-black background at a projector's contrast
+  dark: { free: [98, 104, 114], cached: [226, 150, 40], reserved: [185, 185, 185], other_group: [30, 30, 30] },
 };
 const KV_HUES = {
   full_attention: { allocated: [76, 120, 168], shared: [123, 50, 148] },
@@ -218,7 +219,7 @@ function render({ model, el }) {
     else {
       const owners = msg.owners && msg.owners.length ? msg.owners.join(", ") : "none";
       hovered.detail = `owner${msg.owners && msg.owners.length > 1 ? "s" : ""}: ${owners} · tokens filled ${msg.tokens}/${msg.page_size}`
-        + (msg.padding ? " · padding block" : "");
+        + (msg.padding ? " · padding block" : "") + (msg.note ? `\n${msg.note}` : "");
     }
     f.root.__cbnbKvGeo = layouts.map((L) => ({ cell: L.cell, cols: L.cols, n: L.n })); // read by the browser tests
     L_updateTip();

@@ -218,7 +218,8 @@ function plotsSummaryText(sm) {
   if (!sm || sm.steps === undefined) return "No steps yet in this run.";
   const run = sm.run_index ? `run ${sm.run_index} (${sm.run_label || sm.run_cause}) · ` : "";
   return run + `output ${cbnbFmt(sm.out_tok_s)} tok/s now (${cbnbFmt(sm.run_out_tok_s)} over the run) · `
-    + `TTFT p50 ${cbnbFmt(sm.ttft_p50_ms, 0)} ms · TPOT p50 ${cbnbFmt(sm.tpot_p50_ms, 0)} ms · `
+    + `TTFT p50 ${cbnbFmt(sm.ttft_p50_ms, 0)} ms`
+    + (sm.ttft_of && sm.ttft_of !== "finished" ? ` (of ${sm.ttft_of}: none finished yet)` : "") + ` · TPOT p50 ${cbnbFmt(sm.tpot_p50_ms, 0)} ms · `
     + `KV ${cbnbFmt(sm.kv_blocks_pct)} % blocks / ${cbnbFmt(sm.kv_tokens_pct)} % tokens · `
     + `prefix hits ${cbnbFmt(sm.prefix_hit_tokens, 0)} tokens (${cbnbFmt(sm.prefix_hit_pct)} %) · `
     + `swaps ${sm.swaps} · soft resets ${sm.soft_resets} · CUDA graphs ${sm.graph_captures}/${sm.graph_replays}`

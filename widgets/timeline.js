@@ -212,6 +212,7 @@ function render({ model, el }) {
     info.textContent = ncols
       ? `steps ${first + col0}–${first + ncols - 1} · ${rows.length} request${rows.length === 1 ? "" : "s"}`
         + (col0 ? ` · ${col0} older steps not shown` : "")
+        + (model.get("note") ? ` · ${model.get("note")}` : "")
         + " · hover a cell for its numbers; click a row for its story (Why?)"
       : "No steps yet: submit a prompt.";
     geo = { rows, ncols, first, col0, shown, colW, rowH, headH, gutter, row0, yOff, h, width };
@@ -299,7 +300,7 @@ function render({ model, el }) {
     schedule();
   });
   model.on("msg:custom", onMsg);
-  const names = ["rows", "cells", "num_steps", "first_step", "runs", "selected", "reasons", "view_steps"];
+  const names = ["rows", "cells", "num_steps", "first_step", "runs", "selected", "reasons", "view_steps", "note"];
   for (const n of names) model.on(`change:${n}`, schedule);
   const offTheme = cbnbOnTheme(draw);
   let ro = null;

@@ -5,6 +5,20 @@
 const WHY_KIND_COLORS = { arrival: "#9e9e9e", prefill: "#4c78a8", decode: "#72b7b2", prefix_hit: "#f58518",
   offload: "#8e44ad", restore: "#8e44ad", warning: "#d4a200", reconfigure: "#555555", end: "#54a24b" };
 
+// An end is coloured by how it ended, as the timeline colours it (FINISHED green, FAILED red, CANCELLED grey).
+const WHY_END_COLORS = { light: { FINISHED: "#3f9e3a", FAILED: "#d62728", CANCELLED: "#8a8a8a" },
+  dark: { FINISHED: "#6fd06a", FAILED: "#ff6b6b", CANCELLED: "#9a9a9a" } };
+
+function whySwatch(e, theme) {
+  if (e.kind === "waiting") return theme.reason(e.reason);
+  if (e.kind === "end") {
+    const state = String(e.text || "").split(":")[0];
+    const c = WHY_END_COLORS[theme.dark ? "dark" : "light"][state];
+    if (c) return c;
+  }
+  return WHY_KIND_COLORS[e.kind] || "#888";
+}
+
 function render({ model, el }) {
   const f = cbnbFrame(el, model, "cbnb-why", "Why? (the selected request's story)");
   const head = cbnbEl("div", "cbnb-row cbnb-why-head");
@@ -41,7 +55,8 @@ function render({ model, el }) {
       li.dataset.kind = e.kind;
       if (e.reason) li.dataset.reason = e.reason;
       const sw = cbnbEl("span", "cbnb-swatch");
-      sw.style.background = e.kind === "waiting" ? theme.reason(e.reason) : (WHY_KIND_COLORS[e.kind] || "#888");
+      sw.style.background = whySwatch(e, theme);
+      if (e.kind === "end") li.dataset.state = String(e.text || "").split(":")[0];
       const span = cbnbEl("span", "cbnb-why-span", e.span);
       const text = cbnbEl("span", "cbnb-why-what", e.text);
       li.append(sw, span, text);

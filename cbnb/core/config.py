@@ -23,7 +23,7 @@ use_cuda_graph                 (False, False) without CUDA; else (True, True) un
 use_async_batching             `any(use_cuda_graph)` on CUDA, False elsewhere                             `resolve()`
 q_padding_interval_size        0 -> 64 tokens (transformers' preset)                                      `resolve()`
 kv_padding_interval_size       0 -> 16384 tokens (= 64 * 256, transformers' preset)                       `resolve()`
-safety_margin                  scheduler default: 0.15 for "fifo", 0.0 for "prefill_first"                `resolve()`
+safety_margin                  scheduler default: 0.15 for "fifo", 0.0 for "prefill_first" and "vllm"     `resolve()`
 seed                           stays None: unseeded sampling draws from torch's global RNG                runner
 cpu_offload_space              None -> `cpu_offload_space_safety_threshold * available RAM`                swap pool
 =============================  =========================================================================  ===========
@@ -51,8 +51,9 @@ __all__ = [
     "CBNB_FIELDS",
 ]
 
-#: Scheduler names accepted by `scheduler_type`, with their default safety margin (transformers' class defaults).
-DEFAULT_SAFETY_MARGINS: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+#: Scheduler names accepted by `scheduler_type`, with their default safety margin (transformers' class defaults; for
+#: "vllm", vLLM V1's scheduler, it is vLLM's watermark, 0.0 by default in its KVCacheManager).
+DEFAULT_SAFETY_MARGINS: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "vllm": 0.0}
 SCHEDULER_TYPES: tuple[str, ...] = tuple(DEFAULT_SAFETY_MARGINS)
 
 #: Order in which unreferenced cached prefix blocks are demoted when uninitialised blocks run out.
@@ -333,11 +334,18 @@ class ContinuousBatchingConfig:
         Only fields that the installed transformers version knows are passed; the cbnb-only `prefix_eviction` is
         dropped.
         """
+        self._check_transformers_scheduler()
         from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
 
         hf_fields = {f.name for f in fields(HFConfig)}
         kwargs = {k: v for k, v in self.transformers_dict().items() if k in hf_fields}
         return HFConfig(**kwargs)
+
+    def _check_transformers_scheduler(self) -> None:
+        if self.scheduler_type not in ("fifo", "prefill_first"):
+            raise ValueError(f"scheduler_type={self.scheduler_type!r} is cbnb's simulation of vLLM's scheduler; "
+                             "transformers has no such scheduler (it would fall back to FIFO silently): export it "
+                             "with cbnb.export.to_vllm, or set scheduler_type='fifo' or 'prefill_first'")
 
     def transformers_dict(self) -> dict[str, Any]:
         """The transformers fields and their values (deprecated ones left out when None)."""
@@ -352,16 +360,20 @@ class ContinuousBatchingConfig:
     def to_code(self, *, only_changed: bool = True) -> str:
         """Ready-to-paste transformers code, e.g. ``ContinuousBatchingConfig(page_size=16, ...)``.
 
-        With `only_changed`, fields equal to transformers' defaults are left out.
+        With `only_changed`, fields equal to transformers' defaults are left out. scheduler_type="vllm" (no
+        transformers scheduler) is left out too, with a comment saying so.
         """
         default = ContinuousBatchingConfig()
         parts = []
         for name, v in self.transformers_dict().items():
-            if only_changed and getattr(default, name) == v:
+            if (only_changed and getattr(default, name) == v) or (name == "scheduler_type" and v == "vllm"):
                 continue
             parts.append(f"{name}={v!r}")
         body = ",\n    ".join(parts)
         head = "from transformers.generation.configuration_utils import ContinuousBatchingConfig\n\n"
+        if self.scheduler_type == "vllm":
+            head += ("# scheduler_type='vllm' (cbnb's simulation of vLLM's scheduler) has no transformers equivalent: "
+                     "left out (FIFO)\n")
         if not parts:
             return head + "config = ContinuousBatchingConfig()"
         return head + f"config = ContinuousBatchingConfig(\n    {body},\n)"

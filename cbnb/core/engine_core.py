@@ -32,7 +32,7 @@ from .config import ContinuousBatchingConfig
 from .offload import SOFT_RESET, SWAP, OffloadDecision, choose_defragment, choose_victims
 from .plan import StepWork
 from .requests import CACHE_EXHAUSTED, Request, RequestState
-from .scheduler import make_scheduler
+from .policies import make_scheduler
 
 __all__ = ["EngineCore", "StepWork"]
 
@@ -192,6 +192,7 @@ class EngineCore:
             self.observer.schedule_started(self.step_id)
         plan = self.scheduler.schedule(self.step_id)
         work = StepWork(self.step_id, plan)
+        self._take_preempted(plan, work)
         if plan.stalled:
             scheduled = {s.request_id for s in plan.scheduled}
             active = list(self.scheduler.active.values())
@@ -205,6 +206,7 @@ class EngineCore:
             if plan.empty and decisions:
                 # Nothing ran: schedule again now that blocks are free (transformers does the same).
                 work.plan = plan = self.scheduler.schedule(self.step_id)
+                self._take_preempted(plan, work)
             if plan.empty and not decisions and not any(r.pending_samples for r in active):
                 # No victim: the stalled request is alone and has exhausted the cache. (With async batching, nothing
                 # is judged while a step is in flight: its apply() may finish requests and free blocks.)
@@ -231,6 +233,12 @@ class EngineCore:
         if self.observer is not None:
             self.observer.step_planned(work)
         return work
+
+    def _take_preempted(self, plan: Any, work: StepWork) -> None:
+        """Count the requests the scheduler preempted itself (`BatchPlan.preempted`) as this step's offloads."""
+        for d in plan.preempted:
+            self.offload_counts[d.path] += 1
+            work.offloads.append(d)
 
     def _offload(self, d: OffloadDecision, work: StepWork) -> None:
         req = d.request

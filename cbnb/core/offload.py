@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .cache.manager import CacheManager
 from .requests import Request
-from .scheduler import StalledRequest
+from .plan import StalledRequest
 
 __all__ = ["OffloadDecision", "choose_victims", "choose_defragment", "SWAP", "SOFT_RESET"]
 

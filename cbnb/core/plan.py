@@ -173,6 +173,9 @@ class BatchPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     skipped: list[SkippedRequests] = field(default_factory=list)
     stalled: list[StalledRequest] = field(default_factory=list)
+    #: running requests preempted while planning (a policy that preempts by itself, as vLLM's does), as
+    #: `OffloadDecision`s (soft resets: blocks freed, re-queued, recomputed); the core moves them to `StepWork.offloads`
+    preempted: list[OffloadDecision] = field(default_factory=list)
     token_budget: int = 0
     cache_budget: int = 0
     cache_read_tokens: int = 0

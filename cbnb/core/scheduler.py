@@ -51,7 +51,7 @@ from .requests import Request, RequestState
 
 __all__ = [
     "SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
-    "Scheduler", "FIFOScheduler", "PrefillFirstScheduler", "make_scheduler", "SCHEDULERS",
+    "Scheduler", "FIFOScheduler", "PrefillFirstScheduler",
 ]
 
 
@@ -87,6 +87,11 @@ class Scheduler:
         self.clock = time.perf_counter  # time stamps of state changes (the core sets its own clock)
         sliding_cap = cache.layout.max_window
         self._read_cap = (sliding_cap - 1) if sliding_cap else None
+        # With one layer group, "does the table already cover the chunk?" is one length check (`_covered`).
+        self._single = cache.allocators[0] if len(cache.allocators) == 1 else None
+        self._single_tables = self._single.tables if self._single is not None else None
+        self._single_window = getattr(self._single, "window", None)
+        self._page = cache.page_size
         self.queue_log: list[str] = []  # every queueing, in order (the log `QueueTail`s read); append-only
         self._pos: dict[str, int] = {}  # waiting request id -> its position in queue_log
         self._gone: list[int] = []  # sorted positions taken out of the queue (none below the oldest waiting one)
@@ -168,108 +173,42 @@ class Scheduler:
     def schedule(self, step_id: int = 0) -> BatchPlan:
         """Plan one step. Admitted requests move to the active set and their blocks are allocated."""
         cache = self.cache
-        cache.flush_host_releases()
-        cache.release_empty_sectors()
-        now = self.clock()
-        free = cache.free_fraction()
-        margin = self.safety_margin
+        plan = self._begin(step_id)
+        free, margin = plan.free_fraction, plan.safety_margin
         below = free < margin
-        plan = BatchPlan(step_id, self.name, token_budget=self.max_batch_tokens, cache_budget=cache.capacity_tokens,
-                         request_cap=self.max_requests, free_fraction=free, safety_margin=margin)
-        token_left = self.max_batch_tokens
-        cache_left = cache.capacity_tokens
-        req_left = self.max_requests
-        if self._gone:  # positions below the oldest waiting request are no tail's business any more
-            oldest = self._pos[next(iter(self.waiting))] if self.waiting else len(self.queue_log)
-            k = bisect.bisect_left(self._gone, oldest)
-            if k:
-                del self._gone[:k]
         active_c = self.active_candidates()
         waiting_c, plain = self._waiting_order()
-        n_active = len(active_c)
-        compact = self.compact_skips
-        skips: dict[tuple, SkippedRequests] = {}
-
-        def skip(reason: SkipReason, rid: str, **detail: Any) -> None:
-            key = (reason, tuple(sorted(detail.items())))
-            entry = skips.get(key)
-            if entry is None:
-                entry = skips[key] = SkippedRequests(reason, [], detail)
-                plan.skipped.append(entry)
-            entry.request_ids.append(rid)
-
-        def skip_rest(reason: SkipReason, req: Request, **detail: Any) -> None:
-            # `reason` refuses `req` (a waiting candidate) and, with the same numbers, every waiting one after it.
-            key = (reason, tuple(sorted(detail.items())))
-            entry = skips.get(key)
-            ids = self._rest(list(entry.request_ids) if entry else [], waiting_c, plain, idx - n_active, req)
-            if entry is None:
-                entry = skips[key] = SkippedRequests(reason, ids, detail)
-                plan.skipped.append(entry)
-            else:
-                entry.request_ids = ids
-
+        skips = _Skips(self, plan, active_c, waiting_c, plain)
         backoff = self.block_new_requests and bool(self.active)
-        admitted: list[str] = []
-        cands = itertools.chain(active_c, waiting_c)
-        scheduled = plan.scheduled
-        allocators = cache.allocators
+        token_left, cache_left, req_left = self.max_batch_tokens, cache.capacity_tokens, self.max_requests
         read_cap = self._read_cap
-        # Hot path: with one layer group, "does the table already cover the chunk?" is one length check.
-        single = allocators[0] if len(allocators) == 1 else None
-        single_tables = single.tables if single is not None else None
-        single_window = getattr(single, "window", None)
-        page = cache.page_size
-        skipped_append = plan.skipped.append
-        idx = -1
-        for req in cands:
-            idx += 1
-            rid = req.request_id
-            state = req.state
-            waiting = state is _PENDING
-            if req_left == 0 or token_left == 0:
-                # Everything after this point is refused for the same reason: record the rest in one entry.
-                if idx < n_active:
-                    rest = self._rest([r.request_id for r in active_c[idx:]], waiting_c, plain, 0, None)
-                else:
-                    rest = self._rest([], waiting_c, plain, idx - n_active, req)
-                if req_left == 0:
-                    entry = SkippedRequests(SkipReason.REQUEST_CAP, rest, {"cap": self.max_requests})
-                else:
-                    entry = SkippedRequests(SkipReason.TOKEN_BUDGET, rest,
-                                            {"budget_tokens": self.max_batch_tokens, "left_tokens": 0})
-                skipped_append(entry)
+        now = self.clock()
+        admitted: list[str] = []
+        for idx, req in enumerate(itertools.chain(active_c, waiting_c)):
+            if req_left == 0 or token_left == 0:  # everything from here on is refused for the same reason
+                skips.refuse_all(idx, req, req_left == 0)
                 break
-            # The three reasons below refuse a waiting request for what holds for every later one in this pass (the
-            # waiting candidates come last, and none of them is a decode): with `compact`, the rest in one entry.
+            waiting = req.state is _PENDING
+            # Backoff and a stalled request ahead refuse every later waiting candidate too (none is a decode).
             if waiting and backoff:
-                if compact:
-                    skip_rest(SkipReason.OFFLOAD_BACKOFF, req)
+                if skips.refuse(SkipReason.OFFLOAD_BACKOFF, idx, req, True):
                     break
-                skip(SkipReason.OFFLOAD_BACKOFF, rid)
                 continue
-            if waiting and plan.stalled:
-                # The free blocks are owed to the stalled active requests ahead (transformers admits newcomers
-                # here, which deepens the stall and makes the stalled request the next offload victim).
-                if compact:
-                    skip_rest(SkipReason.STALLED_AHEAD, req, stalled=len(plan.stalled))
+            if waiting and plan.stalled:  # the free blocks are owed to the stalled active requests ahead
+                if skips.refuse(SkipReason.STALLED_AHEAD, idx, req, True, stalled=len(plan.stalled)):
                     break
-                skip(SkipReason.STALLED_AHEAD, rid, stalled=len(plan.stalled))
                 continue
-            num_tokens = len(req.prompt_ids) + len(req.output_ids) + req.pending_samples
-            if req.pending_samples and req.max_new_tokens is not None and (
-                    len(req.output_ids) + req.pending_samples >= req.max_new_tokens):
-                skip(SkipReason.FINISHING, rid)  # async: its last token is in flight; done when that step applies
+            n_out = len(req.output_ids) + req.pending_samples
+            if req.pending_samples and req.max_new_tokens is not None and n_out >= req.max_new_tokens:
+                skips.add(SkipReason.FINISHING, req.request_id)  # async: its last token is in flight
                 continue
+            num_tokens = len(req.prompt_ids) + n_out
             computed = req.num_computed
-            # `Request.is_decode`, inlined (hot path).
-            decode = (num_tokens - computed == 1 and (len(req.output_ids) + req.pending_samples) > 0
-                      and not req.swapped)
-            if below and scheduled and not decode:
-                if compact and waiting:
-                    skip_rest(SkipReason.SAFETY_MARGIN, req, safety_margin=margin, free_fraction=round(free, 6))
+            decode = num_tokens - computed == 1 and n_out > 0 and not req.swapped  # `Request.is_decode`, inlined
+            if below and plan.scheduled and not decode:
+                if skips.refuse(SkipReason.SAFETY_MARGIN, idx, req, waiting, safety_margin=margin,
+                                free_fraction=round(free, 6)):
                     break
-                skip(SkipReason.SAFETY_MARGIN, rid, safety_margin=margin, free_fraction=round(free, 6))
                 continue
             match = cache.match_prefix(req) if (waiting and computed == 0) else None
             start = match.num_tokens if match is not None else computed
@@ -277,55 +216,18 @@ class Scheduler:
             n = remaining if remaining < token_left else token_left
             need_read = start if read_cap is None or start < read_cap else read_cap
             if need_read > cache_left:
-                skip(SkipReason.CACHE_BUDGET, rid, need_tokens=need_read, left_tokens=cache_left,
-                     budget_tokens=cache.capacity_tokens)
+                skips.add(SkipReason.CACHE_BUDGET, req.request_id, need_tokens=need_read, left_tokens=cache_left,
+                          budget_tokens=cache.capacity_tokens)
                 continue
-            alloc: Allocation | Shortfall | None = None
-            end = start + n
-            if waiting:
-                covered = False
-            elif single_tables is not None:
-                t = single_tables.get(rid)
-                covered = (len(t) if t else 0) * page >= (
-                    end if single_window is None or end < single_window else single_window)
-            else:
-                covered = all(a.covers(rid, end) for a in allocators)
-            if not covered:
-                alloc = cache.allocate(req, end, match)
-                if isinstance(alloc, Shortfall) and not waiting and not decode and single is not None:
-                    # A chunked prefill that does not fit whole takes the part that fits.
-                    fit = self._fitting_end(single, rid, start, end)
-                    if fit > start:
-                        end, n = fit, fit - start
-                        alloc = cache.allocate(req, end, None)
+            alloc = None
+            if waiting or not self._covered(req.request_id, start + n):
+                n, alloc = self._allocate(req, start, n, match, waiting, decode)
                 if isinstance(alloc, Shortfall):
-                    if not waiting:
-                        plan.stalled.append(StalledRequest(rid, end, alloc.needed, alloc.available))
-                    skip(SkipReason.NO_FREE_BLOCKS, rid, needed_blocks=tuple(alloc.needed),
-                         available_blocks=tuple(alloc.available))
+                    skips.no_blocks(req, start + n, alloc, waiting)
                     continue
-            # Commit.
-            hit = 0
-            if match is not None:
-                hit = match.num_tokens
-                # Per admission, not summed: a request re-admitted after a soft reset or a reconfigure matches its
-                # prompt again (and may match its own generated tokens); only its prompt tokens count.
-                plen = len(req.prompt_ids)
-                req.prefix_cached_tokens = hit if hit < plen else plen
-            if req.swapped:
-                req.swapped = False
-            samples = n == remaining
-            req.num_computed = end
-            if samples:
-                req.pending_samples += 1
-                if state is not _DECODING:
-                    req.transition(_DECODING, now)
-            elif state is not _PREFILLING:
-                req.transition(_PREFILLING, now)
+            self._commit(req, start, n, n == remaining, decode, match, alloc, now, plan.scheduled)
             if waiting:
-                admitted.append(rid)
-            scheduled.append(ScheduledRequest(req, start, n, "decode" if decode else "prefill", samples, hit,
-                                              alloc))
+                admitted.append(req.request_id)
             token_left -= n
             cache_left -= need_read
             req_left -= 1
@@ -333,6 +235,68 @@ class Scheduler:
             self.active[rid] = self._take_waiting(rid)
         plan.cache_read_tokens = cache.capacity_tokens - cache_left
         return plan
+
+    def _begin(self, step_id: int) -> BatchPlan:
+        """Start a pass: settle the cache's deferred releases, forget queue positions no tail can reach, and open the
+        plan with this step's budgets and free share."""
+        cache = self.cache
+        cache.flush_host_releases()
+        cache.release_empty_sectors()
+        if self._gone:  # positions below the oldest waiting request are no tail's business any more
+            oldest = self._pos[next(iter(self.waiting))] if self.waiting else len(self.queue_log)
+            k = bisect.bisect_left(self._gone, oldest)
+            if k:
+                del self._gone[:k]
+        return BatchPlan(step_id, self.name, token_budget=self.max_batch_tokens, cache_budget=cache.capacity_tokens,
+                         request_cap=self.max_requests, free_fraction=cache.free_fraction(),
+                         safety_margin=self.safety_margin)
+
+    def _covered(self, rid: str, end: int) -> bool:
+        """Whether the request's tables already hold tokens [0, end) in every layer group (no allocation needed)."""
+        tables = self._single_tables
+        if tables is not None:  # hot path: one layer group, one length check
+            t = tables.get(rid)
+            window = self._single_window
+            return (len(t) if t else 0) * self._page >= (end if window is None or end < window else window)
+        return all(a.covers(rid, end) for a in self.cache.allocators)
+
+    def _allocate(self, req: Request, start: int, n: int, match: Any, waiting: bool,
+                  decode: bool) -> tuple[int, Allocation | Shortfall]:
+        """Blocks for tokens [start, start + n): (query tokens granted, the `Allocation`, or the `Shortfall` when
+        none fit). A split prefill of a single-group model that does not fit whole takes the part that fits."""
+        cache = self.cache
+        end = start + n
+        alloc = cache.allocate(req, end, match)
+        single = self._single
+        if isinstance(alloc, Shortfall) and not waiting and not decode and single is not None:
+            fit = self._fitting_end(single, req.request_id, start, end)
+            if fit > start:
+                end = fit
+                alloc = cache.allocate(req, end, None)
+        return end - start, alloc
+
+    def _commit(self, req: Request, start: int, n: int, samples: bool, decode: bool, match: Any,
+                alloc: Allocation | None, now: float, scheduled: list[ScheduledRequest]) -> None:
+        """Take `n` query tokens of the request from `start` into the step: advance it, stamp its state change and
+        append its `ScheduledRequest`."""
+        hit = 0
+        if match is not None:
+            hit = match.num_tokens
+            # Per admission, not summed: a request re-admitted after a soft reset or a reconfigure matches its prompt
+            # again (and may match its own generated tokens); only its prompt tokens count.
+            plen = len(req.prompt_ids)
+            req.prefix_cached_tokens = hit if hit < plen else plen
+        if req.swapped:
+            req.swapped = False
+        req.num_computed = start + n
+        state = req.state
+        if samples:
+            req.pending_samples += 1
+            if state is not _DECODING:
+                req.transition(_DECODING, now)
+        elif state is not _PREFILLING:
+            req.transition(_PREFILLING, now)
+        scheduled.append(ScheduledRequest(req, start, n, "decode" if decode else "prefill", samples, hit, alloc))
 
     def _fitting_end(self, alloc: Any, rid: str, start: int, end: int) -> int:
         """The largest chunk end in (start, end] whose blocks the single layer group can obtain now."""
@@ -344,9 +308,74 @@ class Scheduler:
             return end
         return min(end, cap)
 
-    def _covers(self, req: Request, total_tokens: int) -> bool:
-        rid = req.request_id
-        return all(a.covers(rid, total_tokens) for a in self.cache.allocators)
+
+class _Skips:
+    """The skip entries of one scheduling pass: one `SkippedRequests` per (reason, numbers), in first-seen order.
+
+    A reason that refuses a waiting candidate for what holds for every later one in the pass is recorded, with
+    `Scheduler.compact_skips`, as one entry over the rest of the waiting queue (`Scheduler._rest`) and ends the pass.
+    """
+
+    __slots__ = ("sched", "plan", "entries", "active_c", "waiting_c", "plain", "n_active", "compact")
+
+    def __init__(self, sched: Scheduler, plan: BatchPlan, active_c: list[Request], waiting_c: Collection[Request],
+                 plain: bool) -> None:
+        self.sched, self.plan = sched, plan
+        self.entries: dict[tuple, SkippedRequests] = {}
+        self.active_c, self.waiting_c, self.plain = active_c, waiting_c, plain
+        self.n_active = len(active_c)
+        self.compact = sched.compact_skips
+
+    def add(self, reason: SkipReason, rid: str, **detail: Any) -> None:
+        """List one request under `reason` with these numbers."""
+        key = (reason, tuple(sorted(detail.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = SkippedRequests(reason, [], detail)
+            self.plan.skipped.append(entry)
+        entry.request_ids.append(rid)
+
+    def refuse(self, reason: SkipReason, idx: int, req: Request, waiting: bool, **detail: Any) -> bool:
+        """Refuse candidate number `idx`. Returns True when the entry covers every later candidate too (a waiting
+        one, with compact skips): the pass ends there."""
+        if not (self.compact and waiting):
+            self.add(reason, req.request_id, **detail)
+            return False
+        self.rest(reason, idx, req, **detail)
+        return True
+
+    def rest(self, reason: SkipReason, idx: int, req: Request | None, **detail: Any) -> None:
+        """Refuse waiting candidate number `idx` (`req`; None: the first waiting one) and every later one."""
+        key = (reason, tuple(sorted(detail.items())))
+        entry = self.entries.get(key)
+        ids = self.sched._rest(list(entry.request_ids) if entry else [], self.waiting_c, self.plain,
+                               idx - self.n_active, req)
+        if entry is None:
+            entry = self.entries[key] = SkippedRequests(reason, ids, detail)
+            self.plan.skipped.append(entry)
+        else:
+            entry.request_ids = ids
+
+    def refuse_all(self, idx: int, req: Request, cap: bool) -> None:
+        """The request cap (`cap`) or the token budget is used up at candidate `idx`: it and every later one."""
+        sched = self.sched
+        if idx < self.n_active:
+            rest = sched._rest([r.request_id for r in self.active_c[idx:]], self.waiting_c, self.plain, 0, None)
+        else:
+            rest = sched._rest([], self.waiting_c, self.plain, idx - self.n_active, req)
+        if cap:
+            entry = SkippedRequests(SkipReason.REQUEST_CAP, rest, {"cap": sched.max_requests})
+        else:
+            entry = SkippedRequests(SkipReason.TOKEN_BUDGET, rest,
+                                    {"budget_tokens": sched.max_batch_tokens, "left_tokens": 0})
+        self.plan.skipped.append(entry)
+
+    def no_blocks(self, req: Request, end: int, short: Shortfall, waiting: bool) -> None:
+        """The request's blocks up to `end` do not fit: an active one is stalled (for the offload policy)."""
+        if not waiting:
+            self.plan.stalled.append(StalledRequest(req.request_id, end, short.needed, short.available))
+        self.add(SkipReason.NO_FREE_BLOCKS, req.request_id, needed_blocks=tuple(short.needed),
+                 available_blocks=tuple(short.available))
 
 
 class FIFOScheduler(Scheduler):
@@ -373,19 +402,3 @@ class PrefillFirstScheduler(Scheduler):
         for r in self.active.values():
             (dec if r.state is _DECODING else pre).append(r)
         return pre + dec
-
-
-SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
-
-
-def make_scheduler(config: ContinuousBatchingConfig, cache: CacheManager) -> Scheduler:
-    """The scheduler named by `config.scheduler_type`.
-
-    Raises:
-        ValueError: for an unknown name, listing the choices.
-    """
-    cls = SCHEDULERS.get(config.scheduler_type)
-    if cls is None:
-        raise ValueError(f"scheduler_type must be one of {', '.join(map(repr, SCHEDULERS))}; "
-                         f"got {config.scheduler_type!r}")
-    return cls(config, cache)

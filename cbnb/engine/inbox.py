@@ -163,6 +163,25 @@ class Inbox:
         """Anything the loop must look at before its next step: messages, or a cancelling stop."""
         return bool(self._submissions or self._controls or self._cancels) or self.stop_mode == "cancel"
 
+    # ---------------------------------------------------------------- how the loop waits (the thread's clock)
+    def hold(self, wait: float) -> bool:
+        """The step mode holds: wait up to `wait` seconds for a message. True: the loop keeps holding (a thread
+        never hands its turn back; the simulator's inbox, `cbnb.sim.arrivals`, may)."""
+        if not self.pending():
+            self.wakeup.wait(wait)
+        return True
+
+    def idle(self, wait: float, blocked: Any) -> str | None:
+        """Nothing to run now (`blocked`: the step that scheduled nothing, or None when no request is left): wait up
+        to `wait` seconds for a message. Returns None (the loop goes on); the simulator's inbox moves its clock."""
+        if not self.pending():
+            self.wakeup.wait(wait)
+        return None
+
+    def upcoming(self) -> bool:
+        """Whether a submission will reach the loop without any caller's help (a thread's inbox: never)."""
+        return False
+
     def close(self, reason: str) -> tuple[list[Any], list[Any]]:
         """Refuse everything from now on (`EngineStoppedError(reason)`); return (submissions never taken, controls
         never taken)."""

@@ -1,14 +1,22 @@
-"""The engine thread: one thread, the only writer of engine state, running one of two step loops (torch-free).
+"""The engine loop, for both engines: the turn functions, and the engine thread that runs them (torch-free).
 
-A turn is the named phases of `cbnb.engine.phases.LoopState` (`begin_turn`, `plan`, the runner, `apply`); the two loops
-only put them in order.
+A turn is the named phases of `cbnb.engine.phases.LoopState` (`begin_turn`, `plan`, the runner, `apply`);
+`sync_turn` and `async_turn` only put them in order, and `turn` picks one from the runner. They drive both engines;
+what differs is injected into the `LoopState`: the executor (the model runner, or the simulator's cost model,
+`cbnb.sim.executor.SimExecutor`, whose ``execute`` / ``launch`` / ``collect`` move a virtual clock by the step's host
+and device seconds), the clock (the recorder's: wall or virtual) and the inbox (a thread's `cbnb.engine.inbox.Inbox`,
+whose idle waits for a message; the simulator's `cbnb.sim.arrivals.Arrivals`, which releases requests by simulated
+time and whose idle moves the clock to the next arrival). Who runs the turns: `cbnb.Engine`'s thread (`run`, below:
+`sync_loop` / `async_loop` turn until a reconfigure or a stop), or for `cbnb.sim.SimEngine` the caller's thread
+(`run`, `run_until`, a handle's `result()`, `step()`) or its playback thread (`cbnb.sim.driving`,
+`cbnb.sim.playback`), which also stop when a turn returns IDLE or HELD.
 
-`sync_loop` runs them one after the other (the host waits while the device runs the step)::
+`sync_turn` runs them one after the other (the host waits while the device runs the step)::
 
     host    drain ─ plan N ─┐              ┌─ apply N ─ drain ─ plan N+1 ─┐              ┌─ apply N+1
     device                  └── step N ────┘                              └─ step N+1 ───┘
 
-`async_loop` double-buffers (async batching, a runner with ``async_mode``): step N+1 is planned and launched before
+`async_turn` double-buffers (async batching, a runner with ``async_mode``): step N+1 is planned and launched before
 step N is collected and applied, so the host prepares N+1 while the device computes N::
 
     host    plan N+1 ─ launch N+1 ─ collect N ─ apply N ─ plan N+2 ─ launch N+2 ─ collect N+1 ─ apply N+1
@@ -26,7 +34,7 @@ import threading
 
 from .phases import REBUILT, STOPPED, LoopState
 
-__all__ = ["start", "run", "sync_loop", "async_loop", "finalize"]
+__all__ = ["start", "run", "turn", "sync_turn", "async_turn", "sync_loop", "async_loop", "finalize"]
 
 FINALIZE_JOIN_S = 10.0  # how long a collected Engine's finalizer waits for its thread
 
@@ -45,51 +53,70 @@ def start(state: LoopState) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the two loops
-def sync_loop(state: LoopState) -> str:
-    """One step at a time: drain → plan → execute → apply (the first diagram of the module docstring)."""
-    while True:
+def sync_turn(state: LoopState) -> str | None:
+    """One turn of the synchronous loop: drain → plan → execute → apply (the first diagram of the module
+    docstring). Returns None to go on, or what ends the turns (REBUILT, STOPPED; the simulator's IDLE, HELD)."""
+    end = state.begin_turn()
+    if end is not None:
+        return end
+    step = state.plan()
+    if step is None:
+        return state.idle()
+    try:
+        result = state.runner.execute(step.work)
+    except Exception as e:  # one bad batch fails its requests, not the engine
+        return STOPPED if state.fail(step, e) else None
+    state.apply(step, result)
+    return None
+
+
+def async_turn(state: LoopState) -> str | None:
+    """One turn of the double-buffered loop: plan and launch N+1, then collect and apply N (the second diagram).
+    Returns as `sync_turn`."""
+    if state.inflight is not None and (state.inbox.pending() or state.gated):
+        if state.finish():  # messages (and the step mode) see applied state
+            return STOPPED
+    if state.inflight is None:
         end = state.begin_turn()
         if end is not None:
             return end
-        step = state.plan()
-        if step is None:
-            state.idle()
-            continue
-        try:
-            result = state.runner.execute(step.work)
-        except Exception as e:  # one bad batch fails its requests, not the engine
-            if state.fail(step, e):
-                return STOPPED
-            continue
-        state.apply(step, result)
+    step = state.plan()
+    if step is None:
+        if state.inflight is None:
+            return state.idle()
+        # what blocks scheduling may be the step in flight: apply it, retry
+        return STOPPED if state.finish() else None
+    try:
+        step.handle = state.runner.launch(step.work)
+    except Exception as e:  # one bad batch fails its requests, not the engine
+        if state.fail(step, e):
+            return STOPPED
+        step = None
+    if state.inflight is not None and state.finish():
+        return STOPPED
+    state.inflight = step
+    return None
+
+
+def turn(state: LoopState) -> str | None:
+    """One turn of the loop the runner calls for (what the simulator's caller and playback thread run)."""
+    return async_turn(state) if state.runner.async_mode else sync_turn(state)
+
+
+def sync_loop(state: LoopState) -> str:
+    """Turns of `sync_turn` until one ends the loop (REBUILT or STOPPED)."""
+    while True:
+        end = sync_turn(state)
+        if end is not None:
+            return end
 
 
 def async_loop(state: LoopState) -> str:
-    """Double-buffered: plan and launch N+1, then collect and apply N (the second diagram)."""
+    """Turns of `async_turn` until one ends the loop (REBUILT or STOPPED)."""
     while True:
-        if state.inflight is not None and (state.inbox.pending() or state.gated):
-            if state.finish():  # messages (and the step mode) see applied state
-                return STOPPED
-        if state.inflight is None:
-            end = state.begin_turn()
-            if end is not None:
-                return end
-        step = state.plan()
-        if step is None:
-            if state.inflight is None:
-                state.idle()
-            elif state.finish():  # what blocks scheduling may be the step in flight: apply it, retry
-                return STOPPED
-            continue
-        try:
-            step.handle = state.runner.launch(step.work)
-        except Exception as e:  # one bad batch fails its requests, not the engine
-            if state.fail(step, e):
-                return STOPPED
-            step = None
-        if state.inflight is not None and state.finish():
-            return STOPPED
-        state.inflight = step
+        end = async_turn(state)
+        if end is not None:
+            return end
 
 
 def run(state: LoopState) -> None:

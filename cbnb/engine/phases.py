@@ -1,6 +1,7 @@
-"""`LoopState`: the engine thread's state and the named phases of one loop turn (torch-free).
+"""`LoopState`: the engine loop's state and the named phases of one loop turn, for both engines (torch-free).
 
-The phases, which `cbnb.engine.loop.sync_loop` and `async_loop` put in order:
+The phases, which `cbnb.engine.loop.sync_turn` and `async_turn` put in order (on `cbnb.Engine`'s thread, or on the
+thread driving a `cbnb.sim.SimEngine`: its inbox, executor and clock are injected, see `cbnb.engine.loop`):
 
 - `begin_turn()`: `drain()` (control messages such as reconfigure, then up to `MAX_SUBMISSIONS_PER_TURN`
   submissions through `EngineCore.add`, then cancellations), then whether to stop, then the
@@ -31,7 +32,6 @@ pool.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +42,18 @@ from ..core.plan import StepResult, StepWork
 from ..core.requests import Request, RequestState
 from ..core.segments import carry_step_id, config_changes, config_values, mark_reconfigure  # noqa: F401 (re-exported)
 from ..telemetry.recorder import Recorder
+from .step_mode import LoopStepMode
 
-__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "config_changes", "config_values"]
+__all__ = ["LoopState", "Step", "MAX_CONSECUTIVE_FAILURES", "REBUILT", "STOPPED", "IDLE", "HELD", "config_changes",
+           "config_values"]
 
 MAX_CONSECUTIVE_FAILURES = 3
 STOPPED_ERROR = "engine stopped"  # the error of requests a stop() cancelled
 STOPPED_MSG = "engine is stopped: call engine.start() (or use `with engine:`) to submit again"
-#: What a step loop returns: REBUILT (a reconfigure replaced the parts: pick the loop again) or STOPPED.
-REBUILT, STOPPED = "rebuilt", "stopped"
+#: What a turn returns besides None (go on): REBUILT (a reconfigure replaced the parts: pick the loop again),
+#: STOPPED; and only with the simulator's inbox: IDLE (nothing to run until someone submits) and HELD (the step mode
+#: holds and the caller driving the turns wants them back).
+REBUILT, STOPPED, IDLE, HELD = "rebuilt", "stopped", "idle", "held"
 
 
 @dataclass
@@ -61,27 +65,30 @@ class Step:
     handle: Any = None
 
 
-class LoopState:
-    """The engine thread's state and the phases of a turn (see the module docstring).
+class LoopState(LoopStepMode):
+    """The engine loop's state and the phases of a turn (see the module docstring).
 
     Args:
         builder: an `EngineBuilder` (anything with ``build(config, sink=, on_terminal=)`` returning
             `EngineParts`, and ``empty_device_cache()``): builds the parts for a config, at start and on every
-            reconfigure.
-        recorder: the `Recorder` for events and stats.
+            reconfigure. The simulator's is `cbnb.sim.executor.SimBuilder` (its runner: the cost model).
+        recorder: the `Recorder` for events and stats (its clock is the loop's: wall or virtual).
+        inbox: where submissions and control messages come from (default: a thread's `Inbox`; the simulator's
+            `cbnb.sim.arrivals.Arrivals` releases requests by simulated time).
+        lock: the RLock every phase that changes state holds (default: a new one).
 
     Attributes:
         state: "created", "running", "stopped" or "dead" (`error`, `error_text` say why).
         config, user_config, layout, memory, cache, store, runner, core: the parts in use (`EngineParts`).
     """
 
-    def __init__(self, builder: Any, recorder: Recorder) -> None:
+    def __init__(self, builder: Any, recorder: Recorder, inbox: Any = None, lock: Any = None) -> None:
         self.builder = builder
         self.recorder = recorder
         self.clock = recorder.clock
-        self.inbox = Inbox()
+        self.inbox = Inbox() if inbox is None else inbox
         self.handles = HandleTable()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock() if lock is None else lock
         self.recent: deque[Request] = deque(maxlen=256)  # the most recently ended requests
         self.state = "created"
         self.error: BaseException | None = None
@@ -91,13 +98,9 @@ class LoopState:
         self.failures = 0
         self._last_end = 0.0
         self._idle_s = 0.5
-        # Step mode (written by API threads, read by the loop): see the module docstring.
-        self.paused = False
-        self.step_rate: float | None = None  # steps per second at most (slow motion); None: no cap
-        self.parked = threading.Event()  # set while the loop holds, paused, after the last step
-        self._steps: deque[StepOnce] = deque()  # single steps asked for, not yet run (loop thread only)
-        self._stepping: StepOnce | None = None  # the single step being run
-        self._next_step_t = 0.0  # time.monotonic() before which slow motion plans no step
+        self._blocked: StepWork | None = None  # the last plan that scheduled nothing while requests wait
+        self.ended: dict[str, Request] | None = None  # every ended request by id, when the engine keeps them
+        self._init_step_mode()
         self.exited = True  # no thread is running `cbnb.engine.loop.run(self)`
         self.release_on_exit = False
         self.user_config = self.config = self.layout = self.memory = None
@@ -186,41 +189,12 @@ class LoopState:
                 wait = self._hold()
                 if wait is not None:
                     self.recorder.flush()  # what was admitted while holding shows at once
-                    if not self.inbox.pending():
-                        self.inbox.wakeup.wait(wait)
-                    continue
+                    if self.inbox.hold(wait):
+                        continue
+                    return HELD  # (the simulator's caller wants its turn back; the loop still holds)
                 end = None
             self.parked.clear()
             return end
-
-    @property
-    def gated(self) -> bool:
-        """Whether the step mode may hold the next turn (the async loop then applies its step in flight first)."""
-        return self.paused or bool(self.step_rate)
-
-    def _hold(self) -> float | None:
-        """Seconds to wait before the next step (paused, or slow motion), or None to go on now."""
-        if self.inbox.stop_mode is not None or self.state == "dead":
-            return None  # a stop runs to its end, paused or not
-        if not self.paused:
-            while self._steps:  # resumed with single steps still asked for: the loop runs anyway
-                self._steps.popleft().done.set()
-            if self.step_rate and self.core.has_work:
-                left = self._next_step_t - time.monotonic()
-                if left > 0:
-                    return left
-            return None
-        if self._steps:
-            self._stepping = self._steps.popleft()
-            return None
-        self.parked.set()
-        return 0.5
-
-    def _step_done(self) -> None:
-        """The single step being run (if any) was applied, failed, or found nothing to schedule."""
-        s, self._stepping = self._stepping, None
-        if s is not None:
-            s.done.set()
 
     def drain(self) -> bool:
         """Apply queued messages. True when a reconfigure rebuilt the parts (the caller picks its loop again)."""
@@ -238,10 +212,17 @@ class LoopState:
                         msg.done.set()
                 elif isinstance(msg, StepOnce):
                     self._steps.append(msg)
-            for req in self.inbox.take_submissions():
-                self.core.add(req)
-            self._settle_cancels()
+            self.admit()
         return rebuilt
+
+    def admit(self) -> None:
+        """Hand the inbox's submissions to the core (at most `MAX_SUBMISSIONS_PER_TURN`), then apply recorded
+        cancellations (under the lock)."""
+        with self.lock:
+            add = self.core.add
+            for req in self.inbox.take_submissions():
+                add(req)
+            self._settle_cancels()
 
     def _settle_cancels(self) -> None:
         """Apply recorded cancellations (under the lock). A request still queued keeps its cancellation."""
@@ -263,26 +244,24 @@ class LoopState:
         with self.lock:
             self._settle_cancels()
             if not self.core.has_work:
-                self._idle_s = 0.5
-                self._step_done()
+                self._idle_s, self._blocked = 0.5, None
+                if not self.inbox.upcoming():  # (a simulated single step waits for the next arrival)
+                    self._step_done()
                 return None
             work = self.core.schedule()  # the recorder hears the plan as the core's observer
             t0 = work.t0
-        if self.step_rate:
-            self._next_step_t = time.monotonic() + 1.0 / self.step_rate
-        if self._stepping is not None:
-            self._stepping.step_id = work.step_id
+        self._planned(work.step_id)
         if work.empty and not work.swap_outs:
-            self._idle_s = 0.01  # work, but nothing schedulable now: try again shortly
+            self._idle_s, self._blocked = 0.01, work  # work, but nothing schedulable now: try again shortly
             self._step_done()
             return None
         return Step(work, t0)
 
-    def idle(self) -> None:
-        """Flush the turn's events and wait for a message (or a short retry)."""
+    def idle(self) -> str | None:
+        """Flush the turn's events, then the inbox's idle: a thread waits for a message (or a short retry); the
+        simulator moves its clock to the next arrival. Returns what the turn returns (None, or IDLE)."""
         self.recorder.flush()
-        if not self.inbox.pending():
-            self.inbox.wakeup.wait(self._idle_s)
+        return self.inbox.idle(self._idle_s, self._blocked)
 
     def apply(self, step: Step, result: StepResult) -> None:
         """Apply a step's tokens: cancellations first, then the core, the handles, telemetry."""
@@ -363,9 +342,7 @@ class LoopState:
             for msg in controls:
                 msg.error = EngineStoppedError(reason)
                 msg.done.set()
-            self._step_done()
-            while self._steps:
-                self._steps.popleft().done.set()
+            self._end_steps()
             if not dead:
                 self.state = "stopped"
         self.recorder.flush()
@@ -387,9 +364,19 @@ class LoopState:
         self.recent.extend(leftover[-(self.recent.maxlen or 0):])
         self.handles.finish_many(leftover)
 
+    def withdraw(self, req: Request) -> None:
+        """End CANCELLED a request the core never took (the simulator's request yet to arrive), announced as any
+        ended request (handle, counters, a `RequestDone`)."""
+        req.finish_reason = "cancelled"
+        req.transition(RequestState.CANCELLED, self.clock())
+        self._on_terminal(req)
+        self.recorder.flush()
+
     def _on_terminal(self, req: Request) -> None:
         self.runner.forget(req.request_id)
         self.recorder.request_done(req)
         self.recent.append(req)
+        if self.ended is not None:
+            self.ended[req.request_id] = req
         self.handles.finish(req)  # its output is built on the caller's side, when asked
 

@@ -6,15 +6,17 @@
     submit/cancel ─▶│ handles, step mode, reconfigure bookkeeping, stats, snapshot, explain, ... │
                     └───────────────┬───────────────────────────────────────────┬───────────────┘
                          cbnb.Engine│                                           │cbnb.sim.SimEngine
-          loop: cbnb.engine.phases.LoopState (thread, inbox)   loop: cbnb.sim.loop.VirtualLoop (caller or playback)
+                 one loop: cbnb.engine.loop turns over cbnb.engine.phases.LoopState, with injected:
+          driver: its own thread (loop.run)                    driver: the caller, or the playback thread
+          inbox: cbnb.engine.inbox.Inbox (idle: wait)          inbox: cbnb.sim.arrivals.Arrivals (idle: jump the clock)
           executor: the model runner (cbnb.runner)             executor: cbnb.sim.executor.SimExecutor (cost model)
           clock: wall (time.perf_counter)                      clock: virtual (simulated seconds)
 
-Both loops drive the same `cbnb.core.engine_core.EngineCore` and record through the same
+Both drive the same `cbnb.core.engine_core.EngineCore` through the same loop turns and record through the same
 `cbnb.telemetry.recorder.Recorder`, so the same calls give the same event kinds in the same order, and everything here
 (and every fix to it) reaches both engines at once. What a subclass provides:
 
-- ``_loop``: the loop's state, with ``lock`` (an RLock every phase that changes state holds), ``recorder``,
+- ``_loop``: its `LoopState`, with ``lock`` (an RLock every phase that changes state holds), ``recorder``,
   ``core``, ``cache``, ``handles`` (a `cbnb.engine.handle.HandleTable`), ``recent`` (the last ended requests),
   ``paused`` and ``step_rate`` (the step mode);
 - ``memory`` (the cache's `MemoryPlan`), ``runs`` (the run log), ``tokenizer`` (None: no text), ``engine_name``;

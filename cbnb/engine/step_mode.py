@@ -10,10 +10,12 @@ one scheduling step, then hold).
   flight starts, in both step loops: while paused it keeps draining messages (submissions are admitted and wait
   PENDING; cancellations and reconfigures apply) and plans nothing, except exactly one step per `step()`; with a
   rate set, it plans at most that many steps per wall second. A stop overrides both.
-- `cbnb.sim.SimEngine`: `step()` runs one turn of the virtual loop (arrivals that are due are admitted first; with
-  nothing due it moves the clock to the next arrival), a step in flight (async batching) is applied before it holds,
-  and while paused the virtual clock stands still (caller-driven: `run()` and a handle's `result()` raise, since
-  nothing else would ever run the step; the playback thread waits). A rate paces the playback thread.
+- `cbnb.sim.SimEngine`: the same loop turns (`cbnb.engine.loop.turn`) on the caller's thread or the playback thread,
+  so the same hold: while paused, a caller-driven wait (`run()`, `run_until()`, `generate()`, a handle's `result()`,
+  the tuning lab's `run_workload`) holds as `generate()` holds on a paused engine, and `step()` from another thread
+  (the dashboard's Step) runs one step in it; `resume()` lets it finish. With nobody driving, `step()` runs its
+  step on the caller's thread. A single step with nothing due first moves the clock to the next arrival; the
+  virtual clock stands while held. A rate paces the turns in wall seconds.
 
 ::
 
@@ -27,11 +29,13 @@ one scheduling step, then hold).
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 from .handle import check_timeout
 from .inbox import StepOnce
 
-__all__ = ["StepMode", "ThreadedStepMode", "check_step_rate"]
+__all__ = ["StepMode", "LoopStepMode", "ThreadedStepMode", "check_step_rate"]
 
 
 def check_step_rate(steps_per_s: object) -> float | None:
@@ -121,6 +125,63 @@ class StepMode:
         """
         self._loop.step_rate = check_step_rate(steps_per_s)
         self._wake()
+
+
+class LoopStepMode:
+    """The loop side of the step mode, a mixin of `cbnb.engine.phases.LoopState` (both engines' loop): the flags the
+    API threads write, and what `begin_turn()` / `plan()` / `apply()` ask of them."""
+
+    def _init_step_mode(self) -> None:
+        self.paused = False
+        self.step_rate: float | None = None  # steps per second at most (slow motion); None: no cap
+        self.parked = threading.Event()  # set while the loop holds, paused, after the last step
+        self._steps: deque[StepOnce] = deque()  # single steps asked for, not yet run (the loop's side only)
+        self._stepping: StepOnce | None = None  # the single step being run
+        self._next_step_t = 0.0  # time.monotonic() before which slow motion plans no step
+
+    @property
+    def gated(self) -> bool:
+        """Whether the step mode may hold the next turn (the async loop then applies its step in flight first)."""
+        return self.paused or bool(self.step_rate)
+
+    def _hold(self) -> float | None:
+        """Seconds to wait before the next step (paused, or slow motion), or None to go on now."""
+        if self.inbox.stop_mode is not None or self.state == "dead":
+            return None  # a stop runs to its end, paused or not
+        if self._stepping is not None:
+            return None  # a single step still looks for work (the simulator's: until the next arrival)
+        if not self.paused:
+            while self._steps:  # resumed with single steps still asked for: the loop runs anyway
+                self._steps.popleft().done.set()
+            if self.step_rate and self.core.has_work:
+                left = self._next_step_t - time.monotonic()
+                if left > 0:
+                    return left
+            return None
+        if self._steps:
+            self._stepping = self._steps.popleft()
+            return None
+        self.parked.set()
+        return 0.5
+
+    def _planned(self, step_id: int) -> None:
+        """A step was planned: the slow-motion pace restarts, a single step learns its number."""
+        if self.step_rate:
+            self._next_step_t = time.monotonic() + 1.0 / self.step_rate
+        if self._stepping is not None:
+            self._stepping.step_id = step_id
+
+    def _step_done(self) -> None:
+        """The single step being run (if any) was applied, failed, or found nothing to schedule."""
+        s, self._stepping = self._stepping, None
+        if s is not None:
+            s.done.set()
+
+    def _end_steps(self) -> None:
+        """The loop ends: every single step asked for is answered."""
+        self._step_done()
+        while self._steps:
+            self._steps.popleft().done.set()
 
 
 class ThreadedStepMode(StepMode):

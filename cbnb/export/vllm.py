@@ -44,7 +44,8 @@ MAPPING: tuple[MappingRow, ...] = (
     MappingRow("cpu_offload_space", "", "none",
                "vLLM 0.33 has no swap space (--swap-space is gone): a preempted request is recomputed; "
                "--kv-offloading-size is a host tier for KV blocks, not a swap pool for preempted requests"),
-    MappingRow("scheduler_type", "--scheduling-policy", "mapped", "fifo -> fcfs; prefill_first has no equivalent"),
+    MappingRow("scheduler_type", "--scheduling-policy", "mapped",
+               "fifo -> fcfs; vllm (cbnb's simulation of vLLM's own policy) -> fcfs; prefill_first has no equivalent"),
     MappingRow("use_cuda_graph", "--enforce-eager", "mapped",
                "False -> --enforce-eager; vLLM cannot turn off one of the two graph paths alone"),
     MappingRow("use_async_batching", "--async-scheduling / --no-async-scheduling", "same", ""),
@@ -87,7 +88,8 @@ def _graphs_off(v: Any) -> bool | None:
     return True if not a and not b else (False if a and b else None)
 
 
-def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Export:
+def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None,
+            tensor_parallel_size: int | None = None) -> Export:
     """`vllm serve` flags for `config`, every one an option of vLLM `VERSION` (fields left None are left to vLLM's
     own defaults, except the cache size and the safety margin, which are exported as cbnb ran them).
 
@@ -96,6 +98,8 @@ def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Expor
         model: the model argument of ``vllm serve``.
         resolved: the config the engine ran with (``engine.config``, after sizing): its ``num_blocks`` is exported
             when `config.num_blocks` is None, so vLLM builds the cache that was tuned.
+        tensor_parallel_size: GPUs per engine (``--tensor-parallel-size``; a simulated fleet's,
+            `cbnb.sim.fleet.Fleet`); None: not exported (vLLM's default, 1).
     """
     flags = flag_list("vllm", VERSION)
     ex = Export("vllm", CHECKED_AGAINST, "vllm serve", model)
@@ -124,7 +128,8 @@ def to_vllm(config: Any, model: str = "MODEL", *, resolved: Any = None) -> Expor
     if config.cpu_offload_space:
         ex.unmapped.append(("cpu_offload_space", config.cpu_offload_space,
                             "vLLM 0.33 has no swap space: preempted requests are recomputed (cbnb's soft reset)"))
-    if config.scheduler_type == "fifo":
+    ex.add("--tensor-parallel-size", tensor_parallel_size)
+    if config.scheduler_type in ("fifo", "vllm"):
         f += ["--scheduling-policy", "fcfs"]
     else:
         ex.unmapped.append(("scheduler_type", config.scheduler_type, "vLLM has no prefill-first policy"))

@@ -331,8 +331,14 @@ class Driver:
             self._thread = threading.Thread(target=self._submit_all, name="cbnb-driver", daemon=True)
             self._thread.start()
         else:
-            self._submit_all()
-            self.clock.drain()
+            try:
+                self._submit_all()
+                if isinstance(self.error, (KeyboardInterrupt, SystemExit)):
+                    raise self.error  # the caller's thread was interrupted while it drove the simulation
+                self.clock.drain()
+            except BaseException as e:
+                self._stopped(e)
+                raise
         return self
 
     # ------------------------------------------------------------------------------------------ collecting
@@ -359,8 +365,8 @@ class Driver:
                 if h is None:
                     continue
                 self._fill(self.records[i], h.result(left()))
-        except TimeoutError:
-            self.cancel()
+        except BaseException as e:  # a timeout, the stop button (KeyboardInterrupt), any error: nothing keeps running
+            self._stopped(e)
             raise
         ends = [r.finished_s for r in self.records if r.finished_s is not None]
         self.t_end = self.t0 + max(ends) if ends else self.clock.now()
@@ -370,15 +376,51 @@ class Driver:
         """`start()` then `wait(timeout)`."""
         return self.start().wait(timeout)
 
-    def cancel(self) -> None:
-        """Stop submitting and cancel the submitted requests that are not done."""
+    def cancel(self) -> dict[str, int]:
+        """Stop submitting and cancel the submitted requests that are not done.
+
+        Returns:
+            {"cancelled": submitted requests asked to cancel, "unsubmitted": requests never submitted,
+            "done": submitted requests that had already ended}.
+        """
         self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)  # it sees the stop within a sleep slice: a handle it is being given is cancelled below too
+        cancelled = done = 0
         for h in self.handles:
-            if h is not None and not _done(h):
-                try:
-                    h.cancel()
-                except Exception:
-                    pass
+            if h is None:
+                continue
+            if _done(h):
+                done += 1
+                continue
+            try:
+                h.cancel()
+            except Exception:
+                pass
+            cancelled += 1
+        unsubmitted = sum(h is None and r.submitted_s is None for h, r in zip(self.handles, self.records))
+        return {"cancelled": cancelled, "unsubmitted": unsubmitted, "done": done}
+
+    def _stopped(self, exc: BaseException) -> None:
+        """Cancel what this run submitted and say so in one line (stderr, and a note on `exc`)."""
+        counts = self.cancel()
+        if getattr(exc, "_cbnb_stop_said", False):
+            return
+        why = {KeyboardInterrupt: "interrupted", TimeoutError: "timed out"}.get(type(exc),
+                                                                          f"stopped by {type(exc).__name__}")
+        n, left = counts["cancelled"], counts["unsubmitted"]
+        msg = (f"cbnb: run {why}: cancelled {n} unfinished request{'' if n == 1 else 's'} it had submitted"
+               f"{f' and {left} not yet submitted' if left else ''} ({counts['done']} had ended); the engine keeps "
+               "none of this run's work.")
+        try:
+            exc.add_note(msg)
+            exc._cbnb_stop_said = True  # type: ignore[attr-defined]  # an outer helper does not say it again
+        except Exception:  # an exception type that takes no attributes
+            pass
+        import sys
+
+        print(msg, file=sys.stderr, flush=True)
 
     def _fill(self, rec: RequestRecord, out: Any) -> None:
         t0 = self.t0

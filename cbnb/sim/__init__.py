@@ -22,13 +22,13 @@ from __future__ import annotations
 from typing import Any
 
 from .cost import CostModel, RowLoad, StepCost, StepLoad
-from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationPaused, SimulationStuck
+from .engine import SIM_TOKEN, SimDevice, SimEngine, SimHandle, SimStep, SimulationStuck
 from .profiles import PROFILE_NAMES, HardwareProfile, load_profile
 from .shapes import SHAPE_NAMES, ModelShape, load_shape
 
 __all__ = ["ModelShape", "load_shape", "SHAPE_NAMES", "HardwareProfile", "load_profile", "PROFILE_NAMES", "CostModel",
            "StepLoad", "RowLoad", "StepCost", "SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck",
-           "SimulationPaused", "SIM_TOKEN"]
+           "SIM_TOKEN"]
 
 
 def __getattr__(name: str) -> Any:

@@ -41,11 +41,13 @@ def check_profile(prof: Any) -> None:
               "reserved_bytes"):
         _positive(f, getattr(prof, f), zero_ok=True)
     for f in ("layer_overhead_s", "attention_call_s", "elementwise_bandwidth", "gather_bandwidth",
-              "decode_kernel_bandwidth", "decode_kernel_shared_bandwidth", "host_memory_bytes"):
+              "decode_kernel_bandwidth", "decode_kernel_shared_bandwidth", "host_memory_bytes",
+              "interconnect_bandwidth", "interconnect_latency_s"):
         if getattr(prof, f) is not None:
             _positive(f, getattr(prof, f), zero_ok=f not in ("elementwise_bandwidth", "gather_bandwidth",
                                                             "decode_kernel_bandwidth",
-                                                            "decode_kernel_shared_bandwidth"))
+                                                            "decode_kernel_shared_bandwidth",
+                                                            "interconnect_bandwidth"))
     _positive("decode_kernel_call_s", prof.decode_kernel_call_s, zero_ok=True)
     if prof.past_attention_flops is not None:
         _positive("past_attention_flops", prof.past_attention_flops)

@@ -7,7 +7,8 @@ cost) and a virtual clock (`now`, simulated seconds). It drives the real `cbnb.c
 schedulers, cache manager, prefix index, offload policy), sizes the cache with the engine's sizing path
 (`cbnb.core.cache.sizing.plan_memory`) from the profile's memory, `max_memory_percent` and the weights' bytes, validates
 prompts and arguments with `cbnb.engine.prompts`, records with the engine's `cbnb.telemetry.recorder.Recorder`, and runs
-the engine loop's turns (`cbnb.sim.loop`): synchronous, or async batching (a GPU profile with CUDA graphs, or
+the engine loop's own turns (`cbnb.engine.loop`, with `cbnb.sim.arrivals.Arrivals` as its inbox and a virtual
+clock): synchronous, or async batching (a GPU profile with CUDA graphs, or
 ``async_batching=True``). So the same calls give the same StepPlanned records, the same event kinds in the same
 order, the same run segments and the same `stats()` keys as `cbnb.Engine`; only times differ (simulated seconds).
 
@@ -33,32 +34,30 @@ waits for that step, as on the real engine). The tuning lab drives it through `d
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..core.cache.manager import CacheManager
-from ..core.cache.sizing import MemoryPlan, plan_memory
+from ..core.cache.sizing import MemoryPlan
 from ..core.config import ContinuousBatchingConfig
-from ..core.engine_core import EngineCore
 from ..core.generation import REQUEST_ARGS
 from ..engine.handle import check_timeout
+from ..engine.phases import LoopState
 from ..engine.prompts import prompt_ids, prompt_preview, sampling_params
-from ..core.requests import Request, RequestOutput, RequestState
+from ..core.requests import Request, RequestOutput
 from ..lab.runs import RunLog
-from ..core.segments import carry_step_id, mark_reconfigure
 from ..engine.shell import EngineShell
 from ..telemetry.recorder import Recorder
+from .arrivals import Arrivals, SimulationStuck, VirtualClock
+from .build import SimBuilder
 from .clock import SimClock
-from .cost import CostModel
-from .driving import SimDriving, SimHandle, SimulationPaused
-from .executor import SIM_TOKEN, SimExecutor
-from .loop import SimStep, SimulationStuck, VirtualLoop
+from .driving import SimDriving, SimHandle
+from .executor import SIM_TOKEN, SimStep
 from .profiles import HardwareProfile, load_profile
 from .shapes import ModelShape, load_shape
 
-__all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SimulationPaused", "SIM_TOKEN"]
+__all__ = ["SimEngine", "SimStep", "SimHandle", "SimDevice", "SimulationStuck", "SIM_TOKEN"]
 
-_UNLIMITED_HOST = 1 << 60
 #: `submit` keywords a simulation cannot honour: it has no logits and no text.
 _NEEDS_A_MODEL = ("logprobs", "prompt_logprobs", "stop")
 
@@ -112,32 +111,30 @@ class SimEngine(SimDriving, EngineShell):
         self._check_dtype(dtype)
         if config is not None and not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
-        self.weight_bytes = self.shape.weight_bytes()
         self.max_positions = self.shape.max_position_embeddings
         self.vocab_size = self.shape.vocab_size
         self.device = SimDevice(self.profile.device_type, self.profile.name)
         self.telemetry = bool(telemetry)
-        self._async_override = async_batching
-        self._loop = VirtualLoop(Recorder(self.telemetry, event_log_size, clock=self._clock), self._deliver)
-        self._lock = self._loop.lock
-        self._ended: dict[str, Request] = {}  # every ended request, for `outputs()`
+        self._clock = clock = VirtualClock()
+        lock = threading.RLock()
+        self._arrivals = arrivals = Arrivals(clock, lock)
+        self._loop = state = LoopState(SimBuilder(self.shape, self.profile, clock, async_batching),
+                                       Recorder(self.telemetry, event_log_size, clock=clock), arrivals, lock)
+        arrivals.state = state
+        state.ended = {}  # every ended request, for `outputs()`
+        self._driving = threading.Lock()  # held by the thread running the turns caller-driven
         self._order: list[str] = []
         self._ids = itertools.count()
         self._last_arrival = 0.0
         self._playback = None
-        self._state = "created"
-        self.error: BaseException | None = None
         self.wall_s = 0.0  # host seconds spent in run()/run_until()
         self._present = 0.0  # the caller's instant: run_until(t) leaves it at t while a step started before t runs on
         self.engine_name = f"sim-{self.profile.name}"
         self.model_id = self.shape.hf_id or self.shape.name  # what exports name as the model to serve
         self.driver_clock = SimClock(self)
-        self._install(config or ContinuousBatchingConfig())
-        self.recorder.flush()
+        state.install(config or ContinuousBatchingConfig())
+        state.recorder.flush()
         self.runs = runs if isinstance(runs, RunLog) else RunLog(base=self.user_config, path=runs)
-
-    def _clock(self) -> float:
-        return self._loop.now
 
     def _check_dtype(self, asked: Any) -> None:
         """The cost model needs the profile's FLOP/s for the shape's dtype: refuse at construction, not at the first
@@ -163,41 +160,15 @@ class SimEngine(SimDriving, EngineShell):
         Raises:
             MemoryError: the weights, or the cache the config asks for, do not fit the profile's memory.
         """
-        free = self.profile.free_bytes(self.weight_bytes)
-        if free <= 0:
-            raise MemoryError(f"the weights of {self.shape.name} ({self.weight_bytes / 2**30:.2f} GiB in "
-                              f"{self.shape.dtype}) do not fit profile {self.profile.name!r} "
-                              f"({self.profile.memory_bytes / 2**30:.2f} GiB, "
-                              f"{self.profile.reserved_bytes / 2**30:.2f} GiB reserved)")
-        packed = 0
-        if self.profile.runner == "cpu" and self.shape.dtype == "float32":
-            packed = self.shape.linear_weight_bytes()  # the CPU runner's packed weight copies (as `Engine`'s sizing)
-            free -= packed
-        host = self.profile.host_memory_bytes if self.profile.host_memory_bytes is not None else _UNLIMITED_HOST
-        resolved, _, memory, swap = plan_memory(
-            config, self.shape.kv_spec(), self.shape.itemsize, device_type=self.profile.device_type,
-            free_bytes=free, weight_bytes=self.weight_bytes, host_available_bytes=host,
-            cuda_graphs_supported=self.profile.kind == "gpu", packed_weight_bytes=packed)
-        return resolved, memory, swap
+        return self._loop.builder.plan_memory(config)
 
-    def _install(self, config: ContinuousBatchingConfig, carry: Sequence[Request] = ()) -> None:
-        resolved, memory, swap = self.plan_memory(config)
-        layout = self.shape.layout(resolved.page_size)
-        rec = self.recorder
-        cache = CacheManager(layout, memory.num_sectors, allow_block_sharing=resolved.allow_block_sharing,
-                             prefix_eviction=resolved.prefix_eviction, swap_sectors=swap, sink=rec.sink)
-        core = EngineCore(resolved, cache, on_terminal=self._on_terminal, clock=self._clock)
-        core.kv_for_runner = False  # the cost model reads the plan's loads, not block tables
-        core.measure_shared_reads = self.profile.runner == "cpu"  # the CPU decode kernel prices a shared prefix
-        carry_step_id(self._loop.core, core)
-        self.user_config, self.config, self.layout, self.memory, self.swap_sectors = (
-            config, resolved, layout, memory, swap)
-        ov = self._async_override
-        self.async_batching = bool(resolved.use_async_batching if ov is None else ov)
-        self._loop.install(core, cache, layout, SimExecutor(CostModel(self.shape, self.profile, resolved), layout),
-                           self.async_batching)
-        for req in carry:
-            core.add(req, resume=True)
+    config = property(lambda self: self._loop.config, doc="The resolved `ContinuousBatchingConfig` in use.")
+    user_config = property(lambda self: self._loop.user_config, doc="The config as given (Nones kept).")
+    layout = property(lambda self: self._loop.layout, doc="The KV cache geometry (`KVLayout`).")
+    memory = property(lambda self: self._loop.memory, doc="The cache's `MemoryPlan` (bytes by use).")
+    async_batching = property(lambda self: self._loop.runner.async_mode, doc="Whether steps are double-buffered.")
+    swap_sectors = property(lambda self: self._loop.runner.swap_sectors, doc="The host swap pool (sectors).")
+    weight_bytes = property(lambda self: self._loop.builder.weight_bytes, doc="The weights' bytes (the shape's).")
 
     def reconfigure(self, config: ContinuousBatchingConfig | None = None, timeout: float | None = 60.0,
                     **changes: Any) -> ContinuousBatchingConfig:
@@ -215,28 +186,24 @@ class SimEngine(SimDriving, EngineShell):
         if not isinstance(config, ContinuousBatchingConfig):
             raise ValueError(f"config must be a ContinuousBatchingConfig; got {type(config).__name__}")
         timeout = check_timeout(timeout)
-        self.plan_memory(config)  # refuse what cannot fit before anything changes
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+        state = self._loop
+        state.builder.check(config)  # refuse what cannot fit before anything changes
+        if not state.lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError("reconfigure did not complete")
         try:
-            self._loop.finish_inflight()
-            self._present = max(self._present, self._loop.now)
-            old, before = self.user_config, self.config
-            carry = self.core.take_unfinished()
-            try:
-                self._install(config, carry)
-            except BaseException:
-                self._install(old, carry)
-                raise
-            mark_reconfigure(self.recorder, before, self.config)  # as `LoopState.rebuild`: before the turn's flush
-            self.recorder.flush()
+            if state.inflight is not None:
+                state.finish()
+            self._present = max(self._present, self._clock.now)
+            old = self.user_config
+            state.rebuild(config)  # the engine's rebuild: unfinished requests carried, a RunStarted marker
+            state.recorder.flush()
         finally:
-            self._lock.release()
+            state.lock.release()
         self._reconfigured(old)
         return self.config
 
-    now = property(lambda self: self._loop.now, doc="The virtual clock (simulated seconds).")
-    steps = property(lambda self: self._loop.steps, doc="Every executed step, in order.")
+    now = property(lambda self: self._clock.now, doc="The virtual clock (simulated seconds).")
+    steps = property(lambda self: self._loop.runner.steps, doc="Every executed step (`SimStep`), in order.")
 
     @property
     def present(self) -> float:
@@ -297,27 +264,28 @@ class SimEngine(SimDriving, EngineShell):
         args["ignore_eos"] = True
         sp, cap = sampling_params(len(ids), args, eos_token_id=eos_token_id, vocab_size=self.vocab_size,
                                   max_positions=self.max_positions)
-        with self._lock:
-            if self._state == "dead":
+        state = self._loop
+        with state.lock:
+            if state.state == "dead":
                 raise RuntimeError(f"the simulation died: {self.error!r}")
             t = self._arrival(arrival_s)
             rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
-            if rid in self._ended:
+            if rid in state.ended:
                 raise ValueError(f"request_id {rid!r} is already in use")
             req = Request(rid, ids, sp, max_new_tokens_cap=cap, now=t, source=source)
             req.prompt_text = prompt_preview(prompt)
             handle = SimHandle(req, self)
             self._handles.add(handle, self.config.max_queue_size)
             self._order.append(rid)
-            self._loop.add_arrival(req, t)
+            self._arrivals.add(req, t)
             if arrival_s is not None:
                 self._last_arrival = t
-            if self._loop.paused and not self._loop.inflight:
-                self._loop.admit_due()  # as the paused engine's loop admits what reaches it: PENDING, explainable
-            pb = self._playback
-        if pb is not None:
-            pb.idle.clear()
-            pb.wake.set()
+            if state.paused and state.inflight is None:
+                state.admit()  # as the paused engine's loop admits what reaches it: PENDING, explainable
+                state.recorder.flush()
+            if self._playback is not None:
+                self._playback.idle.clear()
+        self._arrivals.wake()
         return handle
 
     #: The `submit` keywords a simulation honours (`cbnb.engine.engine_like`): all but those needing logits or text.
@@ -341,50 +309,36 @@ class SimEngine(SimDriving, EngineShell):
         return t
 
     def _untaken(self) -> list[Request]:
-        with self._lock:
-            return self._loop.due()
+        with self._loop.lock:
+            return self._arrivals.due()
 
     def outputs(self) -> list[RequestOutput]:
         """Terminal outputs of every request submitted so far that has ended, in submission order."""
-        with self._lock:
-            return [self._ended[r].output() for r in self._order if r in self._ended]
+        with self._loop.lock:
+            ended = self._loop.ended
+            return [ended[r].output() for r in self._order if r in ended]
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state, including one yet to arrive (it ends CANCELLED, blocks freed at once).
         A request that has arrived but was not admitted yet is admitted first (with those due before it), as the
         threaded engine admits what reached its inbox. False when unknown or already ended."""
-        loop = self._loop
-        with self._lock:
-            t = loop.arrival_of(request_id)
-            if t is not None and t <= loop.now and not loop.inflight:
-                loop.admit_due()
+        state, arrivals = self._loop, self._arrivals
+        with state.lock:
+            t = arrivals.arrival_of(request_id)
+            if t is not None and t <= self._clock.now and state.inflight is None:
+                state.admit()
             if self.core.cancel(request_id) is not None:
-                self.recorder.flush()
-                return True
-            req = loop.remove_arrival(request_id)
-            if req is None:
-                return False
-            self._end_unadmitted(req, RequestState.CANCELLED, "cancelled")
-            return True
-
-    def _end_unadmitted(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
-        req.error = error
-        req.finish_reason = reason
-        req.transition(state, self._loop.now)
-        self._on_terminal(req)
-        self.recorder.flush()
-
-    def _deliver(self, req: Request, token_ids: list[int]) -> None:
-        self._handles.deliver(req.request_id, token_ids, req.state)
-
-    def _on_terminal(self, req: Request) -> None:
-        self.recorder.request_done(req)
-        self._ended[req.request_id] = req
-        self._loop.recent.append(req)
-        self._handles.finish(req)
+                state.recorder.flush()
+            else:
+                req = arrivals.remove(request_id)
+                if req is None:
+                    return False
+                state.withdraw(req)
+        arrivals.wake()  # a held caller waiting for this request looks again
+        return True
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"SimEngine({self.shape.name} on {self.profile.name}, {self._state}, t={self.now:.3f}s, "
+        return (f"SimEngine({self.shape.name} on {self.profile.name}, {self.state}, t={self.now:.3f}s, "
                 f"page_size={c.page_size}, num_blocks={c.num_blocks}, max_batch_tokens={c.max_batch_tokens}, "
                 f"scheduler={c.scheduler_type})")

@@ -1,20 +1,19 @@
 """`Playback`: a `SimEngine` on its own thread, as fast as possible or paced at ``speed`` x simulated time (torch-free).
 
-The thread runs the virtual loop's turns (`cbnb.sim.loop.VirtualLoop.turn`) under the engine's lock, one turn at a
-time, so API calls from other threads (submit, cancel, reconfigure, the dashboard's reads) land between turns, as
-they land between the real engine's loop turns. Pacing:
+The thread runs the engine loop's own turns (`cbnb.engine.loop.turn`) under the engine's lock, one turn at a time, so
+API calls from other threads (submit, cancel, reconfigure, the dashboard's reads) land between turns, as they land
+between the real engine's loop turns. It is the turns' driver (`cbnb.sim.arrivals`): idle time passes as
 
 - ``speed=None``: no waiting; when nothing can run before the next arrival, the clock jumps to it;
-- ``speed=x``: after each turn the thread sleeps until the wall clock has caught up with ``x`` simulated seconds per
-  wall second (idle gaps before an arrival included), so a dashboard's panels animate; when the simulation cannot
-  keep up (a turn costs more host time than its simulated span / x), it runs flat out and the pace restarts from
-  where it is (no burst to catch up).
+- ``speed=x``: after each turn that ran a step the thread sleeps until the wall clock has caught up with ``x``
+  simulated seconds per wall second, and an idle gap before an arrival takes its wall time at x, so a dashboard's
+  panels animate; when the simulation cannot keep up (a turn costs more host time than its simulated span / x), it
+  runs flat out and the pace restarts from where it is (no burst to catch up).
 
 With no request left and none to come, the thread waits for a submission; the virtual clock does not advance while
-it waits. The step mode (`cbnb.engine.step_mode`): while paused the thread applies its step in flight, admits the
-arrivals that are due and waits (`parked` is set; the clock stands still); `SimEngine.step()` runs one step on the
-caller's thread meanwhile. With a step rate, the thread waits 1/rate wall seconds after each turn that ran (slow
-motion).
+it waits. The step mode is the loop's (`cbnb.engine.step_mode`): while paused the loop holds in its turn (the step in
+flight applied, arrivals that are due admitted, the clock standing), and runs one step per `step()`; with a step
+rate it waits between steps (slow motion). Neither held nor slow-motion wall time counts as simulated time.
 """
 
 from __future__ import annotations
@@ -22,6 +21,9 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
+
+from ..engine.loop import turn
+from ..engine.phases import IDLE, STOPPED
 
 __all__ = ["Playback", "check_speed"]
 
@@ -43,112 +45,103 @@ def check_speed(speed: Any) -> float | None:
 
 
 class Playback:
-    """The thread of one `SimEngine` (see the module docstring).
+    """The thread of one `SimEngine` (see the module docstring), and the driver of its turns.
 
     Args:
-        sim: the engine (its `_lock`, `_loop`, `_die`).
+        sim: the engine (its `_loop`, `_arrivals`, `_clock`, `_die`).
         speed: simulated seconds per wall second, or None.
     """
 
     def __init__(self, sim: Any, speed: float | None) -> None:
         self.sim = sim
         self.speed = speed
+        self.clock = sim._clock
         self.stop_flag = threading.Event()
-        self.wake = threading.Event()
         self.idle = threading.Event()  # set while nothing is left to do
-        self.parked = threading.Event()  # set while the step mode holds the thread
         self.waiting_for: float | None = None  # the arrival (simulated s) an idle wait is pacing towards
         self._anchor = (time.monotonic(), 0.0)
         self.thread = threading.Thread(target=self._run, name="cbnb-sim", daemon=True)
 
     def start(self) -> None:
-        self._anchor = (time.monotonic(), self.sim._loop.now)
+        self._anchor = (time.monotonic(), self.clock.now)
         self.thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
         self.stop_flag.set()
-        self.wake.set()
+        self.sim._arrivals.wake()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
     def set_speed(self, speed: float | None) -> None:
         self.speed = speed
-        self._anchor = (time.monotonic(), self.sim._loop.now)
-        self.wake.set()
+        self._anchor = (time.monotonic(), self.clock.now)
+        self.sim._arrivals.wake()
 
     def paced_now(self) -> float:
         """The simulated time now: the loop's clock, or during an idle wait for an arrival, where the pace is."""
-        loop = self.sim._loop
-        target = self.waiting_for
+        now, target = self.clock.now, self.waiting_for
         if target is None or self.speed is None:
-            return loop.now
+            return now
         wall0, sim0 = self._anchor
-        return max(loop.now, min(target, sim0 + (time.monotonic() - wall0) * self.speed))
+        return max(now, min(target, sim0 + (time.monotonic() - wall0) * self.speed))
+
+    # ------------------------------------------------------------------------------------------ the driver protocol
+    def done(self) -> bool:
+        return self.stop_flag.is_set()
+
+    def left(self) -> float:
+        return IDLE_WAIT_S
+
+    def on_idle(self, next_arrival_s: float | None) -> str | None:
+        """Idle: jump to the next arrival (as fast as possible), or take its wall time at x; none to come: IDLE."""
+        if next_arrival_s is None:
+            return IDLE
+        if self.speed is None:
+            self.clock.advance_to(next_arrival_s)
+            return None
+        wall0, sim0 = self._anchor
+        self.waiting_for = next_arrival_s
+        try:
+            self.sim._arrivals.sleep(max(0.0, wall0 + (next_arrival_s - sim0) / self.speed - time.monotonic()))
+            self.clock.advance_to(self.paced_now())
+        finally:
+            self.waiting_for = None
+        return None
 
     # ------------------------------------------------------------------------------------------ thread
     def _run(self) -> None:
-        sim, loop = self.sim, self.sim._loop
+        sim, state, arrivals = self.sim, self.sim._loop, self.sim._arrivals
         try:
+            with state.lock:
+                arrivals.driver = self
             while not self.stop_flag.is_set():
-                if loop.paused:
-                    self._park()
-                    continue
-                self.parked.clear()
-                with sim._lock:
-                    ran = loop.turn()
-                    nxt = None if ran else loop.next_arrival_s
-                    if not ran and nxt is None:
+                with state.lock:
+                    ran = state.runner.steps_run
+                    end = turn(state)
+                    ran = state.runner.steps_run != ran
+                    if end == IDLE:
                         self.idle.set()
-                if ran:
-                    self._pace(loop.now)
-                    if loop.step_rate:
-                        self.wake.wait(1.0 / loop.step_rate)
-                        self.wake.clear()
-                        self._anchor = (time.monotonic(), loop.now)  # slow motion is not simulated time
-                elif nxt is None:
-                    self.wake.wait(IDLE_WAIT_S)
-                    self.wake.clear()
-                    self._anchor = (time.monotonic(), loop.now)  # idle wall time is not simulated time
-                elif self.speed is None:
-                    with sim._lock:
-                        loop.idle_until(nxt)
-                else:
-                    self._idle_towards(nxt)
+                        arrivals.sleep(IDLE_WAIT_S)  # until a submission (the lock released meanwhile)
+                if end == STOPPED:
+                    with state.lock:
+                        state.shutdown()
+                    return
+                if ran and self.speed is not None:
+                    self._pace(self.clock.now)
+                elif end is not None:
+                    self._anchor = (time.monotonic(), self.clock.now)  # idle or held wall time is not simulated
         except BaseException as e:  # surfaced on the engine (state "dead", `error`); the requests end FAILED
             sim._die(e)
         finally:
             self.idle.set()
-
-    def _park(self) -> None:
-        """Hold for the step mode: the last step applied, arrivals due admitted, then wait for a change."""
-        loop = self.sim._loop
-        with self.sim._lock:
-            if not loop.paused:
-                return
-            loop.finish_inflight()
-            loop.admit_due()
-        self.parked.set()
-        self.wake.wait(IDLE_WAIT_S)
-        self.wake.clear()
-        self._anchor = (time.monotonic(), loop.now)  # held wall time is not simulated time
+            with state.lock:
+                if arrivals.driver is self:
+                    arrivals.driver = None
 
     def _pace(self, now: float) -> None:
-        if self.speed is None:
-            return
         wall0, sim0 = self._anchor
         lag = time.monotonic() - (wall0 + (now - sim0) / self.speed)
         if lag > MAX_LAG_S:
             self._anchor = (time.monotonic(), now)
         elif lag < 0:
             self.stop_flag.wait(-lag)
-
-    def _idle_towards(self, nxt: float) -> None:
-        wall0, sim0 = self._anchor
-        self.waiting_for = nxt
-        try:
-            self.wake.wait(max(0.0, wall0 + (nxt - sim0) / self.speed - time.monotonic()))
-            self.wake.clear()
-            with self.sim._lock:
-                self.sim._loop.idle_until(self.paced_now())
-        finally:
-            self.waiting_for = None

@@ -102,6 +102,9 @@ class HardwareProfile:
             "fixed" (host work and launches). None: all 1.
         reserved_bytes: device memory the engine cannot use (CUDA context, allocator); subtracted before sizing.
         host_memory_bytes: host RAM available for the swap pool (None: unlimited).
+        interconnect_bandwidth: the GPU-to-GPU link, one direction per GPU (bytes/s; NVLink, or PCIe without it), what
+            a tensor-parallel group's all-reduces use (`cbnb.sim.fleet`); None: unknown (no TP simulation).
+        interconnect_latency_s: fixed seconds of one all-reduce call over that link (None: unknown).
         allow_tf32: float32 GEMMs use the "tf32" rate (PyTorch's default is off).
         sources: citation per figure (URL, or how it was measured / assumed).
         notes: free text (e.g. the shape a measured profile was calibrated at).
@@ -146,6 +149,8 @@ class HardwareProfile:
     cost_factors: Mapping[str, float] | None = None
     reserved_bytes: int = 0
     host_memory_bytes: int | None = None
+    interconnect_bandwidth: float | None = None
+    interconnect_latency_s: float | None = None
     allow_tf32: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""

@@ -78,6 +78,9 @@ def reason_numbers(reason: str, detail: dict[str, Any]) -> str:
         if len(need) == 1 and len(have) == 1:
             return f"needs {need[0]} more blocks, {have[0]} obtainable"
         return f"needs {list(need)} blocks per layer group, {list(have)} obtainable"
+    if reason == "offload_backoff" and d.get("preempted"):
+        n = d["preempted"]
+        return f"{n} running request{'s' if n != 1 else ''} preempted this step (vLLM's policy then admits none)"
     if reason == "stalled_ahead":
         n = d.get("stalled", 1)
         return f"{n} active request{'s' if n != 1 else ''} ahead stalled"

@@ -74,6 +74,17 @@ class Panel(anywidget.AnyWidget):
     # ------------------------------------------------------------------------------------------ selection
     #: The dashboard's shared `Selection` (None for a panel used alone); set by `Dashboard`.
     selection = None
+    #: Whether the engine is still the notebook's (`binding.EngineBinding`); the panel's own until `Dashboard` sets
+    #: the shared one.
+    binding = None
+
+    def engine_note(self) -> str:
+        """"" while the engine is alive and still the notebook's; else what happened (`EngineBinding.note`)."""
+        if self.binding is None:
+            from .binding import EngineBinding
+
+            self.binding = EngineBinding(self.engine)
+        return self.binding.note()
 
     def select_request(self, request_id: str | None) -> None:
         """Select a request for the dashboard's other panels ("Why?", KV highlight); no-op without a selection."""
@@ -150,7 +161,8 @@ class Panel(anywidget.AnyWidget):
 
     def close(self) -> None:
         """Stop the panel's own poller (if it has one) and close the widget."""
-        if self._owns_poller and getattr(self, "poller", None) is not None:
+        # getattr: ipywidgets' __del__ also closes a panel whose __init__ raised half way.
+        if getattr(self, "_owns_poller", False) and getattr(self, "poller", None) is not None:
             self.poller.stop()
         super().close()
 

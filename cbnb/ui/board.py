@@ -10,7 +10,7 @@ import traitlets
 from . import _assets
 from .base import RequestPanel
 from .poller import Frame
-from .state import BOARD_COLUMNS, prompt_label, request_rows
+from .state import BOARD_COLUMNS, board_note, cap_live, prompt_label, request_rows
 
 __all__ = ["RequestBoardPanel"]
 
@@ -21,6 +21,8 @@ class RequestBoardPanel(RequestPanel):
     Args:
         engine: the engine.
         max_finished: ended requests listed at most (newest first; the rest are counted in `hidden`).
+        max_live: live requests listed at most (running first, then the oldest waiting; `note` says how many are
+            left out).
         poller, autostart: see `Panel`.
 
     Synced state:
@@ -29,6 +31,7 @@ class RequestBoardPanel(RequestPanel):
             words (`state.prompt_label`).
         counts: requests per state name.
         hidden: ended requests not listed.
+        note: what else is left out ("showing 200 of 10,000 live requests ..."; "" when nothing).
         engine_state: "created", "running", "paused" (step mode holds it between steps), "stopped" or "dead".
     """
 
@@ -37,10 +40,11 @@ class RequestBoardPanel(RequestPanel):
     rows = traitlets.List().tag(sync=True)
     counts = traitlets.Dict().tag(sync=True)
     hidden = traitlets.Int(0).tag(sync=True)
+    note = traitlets.Unicode("").tag(sync=True)
     engine_state = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, engine: Any, *, max_finished: int = 64, **kwargs: Any) -> None:
-        self._max_finished = max_finished
+    def __init__(self, engine: Any, *, max_finished: int = 64, max_live: int = 200, **kwargs: Any) -> None:
+        self._max_finished, self._max_live = max_finished, max_live
         self._labels: dict[str, str] = {}
         super().__init__(engine, **kwargs)
 
@@ -57,13 +61,15 @@ class RequestBoardPanel(RequestPanel):
         if frame.requests is None:
             return {}
         rows, counts, hidden = request_rows(frame.requests, self._max_finished, label=self._label)
+        rows, hidden_live = cap_live(rows, self._max_live)
         if len(self._labels) > 4 * (len(rows) + 64):
             keep = {r[0] for r in rows}
             self._labels = {k: v for k, v in self._labels.items() if k in keep}
         state = frame.engine_state
         if state == "running" and getattr(self.engine, "paused", False):
             state = "paused"  # alive but held by the step mode: "running" would contradict the Controls bar
-        return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": state}
+        return {"rows": rows, "counts": counts, "hidden": hidden, "engine_state": state,
+                "note": board_note(counts, hidden_live, hidden)}
 
     # ------------------------------------------------------------------------------------------ actions
     def cancel_all(self) -> int:

@@ -137,6 +137,21 @@ def _same(name: str, a: Any, b: Any) -> bool:
     return a == b
 
 
+def changed_fields(before: Any, after: Any, asked: Any = None) -> str:
+    """Every resolved field that differs between two configs, e.g. "max_batch_tokens 256 -> 512, and with it
+    max_requests_per_batch 32 -> 64 (left automatic)": the fields `asked` (the applied user config) set first, then
+    those that followed ("" when none changed)."""
+    diffs = [(k, getattr(before, k, None), getattr(after, k, None)) for k in _CONFIG_ATTRS
+             if not _same(k, getattr(before, k, None), getattr(after, k, None))]
+    mine = [d for d in diffs if asked is None or getattr(asked, d[0], None) is not None]
+    auto = [d for d in diffs if d not in mine]
+    text = ", ".join(f"{k} {a} -> {b}" for k, a, b in mine)
+    if auto:
+        text += (", and with it " if text else "") + ", ".join(f"{k} {a} -> {b}" for k, a, b in auto) + \
+            " (left automatic: resolved from the others)"
+    return text
+
+
 def proposed_config(user: Any, resolved: Any, values: dict[str, Any]) -> Any:
     """The config to apply: the engine's own (unresolved) config `user` plus the fields the panel changed
     relative to the engine's `resolved` config, so that untouched `None` fields keep resolving automatically
@@ -321,13 +336,14 @@ class ConfigPanel(Panel):
                     self._wait_idle(timeout)
                 live = [r for r in self.engine.requests_snapshot() if not r.finished]
                 tokens = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in live)
+                before = self.engine.config
                 resolved = self.engine.reconfigure(cfg, timeout=timeout)
                 self.engine.reset_stats(marker=False)  # reconfigure marked the new run already
                 result["ok"] = True
                 kept = (f"{len(live)} unfinished request{'s' if len(live) != 1 else ''} kept, their KV "
                         f"({tokens:,} tokens) recomputed in the new cache" if live else "no request was running")
-                self.show(f"Applied at once: page_size={resolved.page_size}, num_blocks={resolved.num_blocks}, "
-                          f"max_batch_tokens={resolved.max_batch_tokens}; {kept}.", "ok")
+                what = changed_fields(before, resolved, cfg) or "no field changed (a fresh cache)"
+                self.show(f"Applied at once: {what}; {kept}.", "ok")
             except Exception as e:
                 self.show(f"Not applied ({type(e).__name__}): {e}", "error")
             finally:

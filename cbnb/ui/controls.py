@@ -55,6 +55,7 @@ class ControlsPanel(Panel):
         return min(2.0, max(1.0, v)) if v == v else 1.0
 
     def _setup(self) -> None:
+        self._note = ""  # the last `engine_note` shown
         self._sync()
         # A dashboard made over an engine that already ran (a re-run cell) starts where the engine is: its newest
         # step and that step's summary, not "step 0".
@@ -206,4 +207,11 @@ class ControlsPanel(Panel):
             states = [getattr(r.state, "name", str(r.state)) for r in frame.requests]
             out["waiting"] = states.count("PENDING")
             out["running"] = states.count("PREFILLING") + states.count("DECODING")
+        note = self.engine_note()
+        if note != self._note:  # said once when it happens (and cleared when it no longer holds)
+            if note:
+                out["message"], out["message_kind"] = note, "error"
+            elif self.message == self._note:
+                out["message"], out["message_kind"] = "", "info"
+            self._note = note
         return out

@@ -6,6 +6,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from .binding import EngineBinding
 from .board import RequestBoardPanel
 from .config_panel import ConfigPanel
 from .controls import ControlsPanel
@@ -69,6 +70,9 @@ class Dashboard(widgets.VBox):
         self.runs = RunsPanel(engine, **kw)
         self.selection = Selection()
         self._wire_selection()
+        self.binding = EngineBinding(engine)  # says when the notebook replaced or stopped the engine
+        for p in self.panels:
+            p.binding = self.binding
         for p, width in ((self.submit, "50%"), (self.stream, "50%"), (self.kvmap, "40%"), (self.config, "60%")):
             p.layout.width, p.layout.min_width = width, "360px"
         row1 = widgets.HBox([self.submit, self.stream], layout=widgets.Layout(width="100%", flex_flow="row wrap"))
@@ -119,4 +123,9 @@ class Dashboard(widgets.VBox):
         return route_status()
 
     def __repr__(self) -> str:
-        return f"Dashboard({self.engine!r}, poller={'running' if self.poller.running else 'stopped'})"
+        state = str(getattr(self.engine, "state", "running"))
+        if state in ("stopping", "stopped", "dead"):  # the poller may still tick, but nothing will change
+            return f"Dashboard({self.engine!r}, engine {state}: the panels show its last state)"
+        note = self.binding.replaced_by() if getattr(self, "binding", None) is not None else None
+        return (f"Dashboard({self.engine!r}, poller={'running' if self.poller.running else 'stopped'}"
+                + (f", replaced: `{note}` names another engine" if note else "") + ")")

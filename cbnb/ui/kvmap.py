@@ -118,7 +118,26 @@ class KVPageMapPanel(Panel):
         """
         if self._snapshot is None:
             raise ValueError("no page map yet")
-        return kv_block_details(self._snapshot, int(group), int(block))
+        d = kv_block_details(self._snapshot, int(group), int(block))
+        if d["state"] == "shared" and len(d["owners"]) >= 2:
+            d["note"] = self._shared_note(d["owners"])
+        return d
+
+    def _shared_note(self, owners: list[str]) -> str:
+        """Why a shared block's owners may all show 0 cached tokens on the board: "cached" counts the prompt
+        tokens a request found in the cache when it was admitted; owners admitted together computed the page once
+        and share it, so none of them found it there."""
+        try:
+            outs = {o.request_id: o for o in self.engine.requests_snapshot()}
+        except Exception:
+            return ""
+        cached = [int(getattr(outs[r], "prefix_cached_tokens", 0) or 0) for r in owners if r in outs]
+        if not cached or any(cached):
+            return ""
+        n = len(owners)
+        return (f"none of its {n} owners found this page in the cache at admission (the board's cached column is 0 "
+                f"for {'both' if n == 2 else 'all'}): they were admitted together, so it was computed once and is "
+                "shared")
 
     # ------------------------------------------------------------------------------------------ front-end
     def _on_visible(self, msg: dict) -> None:

@@ -112,6 +112,10 @@ class LivePlotsPanel(Panel):
         self._step_series = StepSeries(steps, runs=self._runs, t0=self._t0)
         self._time_series = TimeSeries(time.time(), samples)
         self._last_stats_key: tuple | None = None
+        # Offloads of each request seen as events since its RequestAdded ([swaps, soft resets]): a request's own
+        # counters move when its step is planned, the run's when that step's events are published, so the summary
+        # adds the difference and agrees with the board at every refresh.
+        self._offloads_seen: dict[str, list[int]] = {}
         super().__init__(engine, **kwargs)
         self.window = steps
 
@@ -124,10 +128,32 @@ class LivePlotsPanel(Panel):
         self.runs = self._runs.to_list()
 
     def _needs(self) -> set[str]:
-        return {"stats"}
+        return {"stats", "requests"}
+
+    def _track_offloads(self, events: list) -> None:
+        seen = self._offloads_seen
+        for e in events:
+            kind = getattr(e, "kind", "")
+            if kind == "request_added":
+                seen[e.request_id] = [0, 0]
+            elif kind == "offload" and e.request_id in seen:
+                seen[e.request_id][0 if e.path == "swap" else 1] += 1
+            elif kind == "request_done":
+                seen.pop(e.request_id, None)
+
+    def _unpublished_offloads(self, requests: Any) -> tuple[int, int]:
+        """(swaps, soft resets) the requests' own counters already show but the run's events do not yet."""
+        swaps = resets = 0
+        for r in requests or ():
+            got = self._offloads_seen.get(r.request_id)
+            if got is not None:
+                swaps += max(0, int(r.num_offloads) - got[0])
+                resets += max(0, int(r.num_soft_resets) - got[1])
+        return swaps, resets
 
     def _values(self, frame: Frame) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        self._track_offloads(frame.events)
         if self._step_series.add_events(frame.events):
             out["steps"] = self._step_series.arrays()
         runs = self._runs.to_list()
@@ -136,19 +162,29 @@ class LivePlotsPanel(Panel):
         st = frame.stats
         if st is not None:
             run = st["run"]
+            extra = self._unpublished_offloads(frame.requests)
             key = (run["steps"], run["requests_finished"], run["requests_failed"], run["requests_cancelled"],
-                   run["prefix_hit_tokens"], round(run["kv_usage_blocks_frac"], 6), self._runs.current)
+                   run["prefix_hit_tokens"], round(run["kv_usage_blocks_frac"], 6), self._runs.current, extra)
             # Idle engine: nothing moved, so add no flat sample (keeps the charts on the activity).
             if key != self._last_stats_key or frame.events:
                 self._last_stats_key = key
                 step = self._step_series.last_step or None
                 row = self._time_series.add_stats(frame.wall, st, step=step, run=self._runs.current)
                 out["series"] = self._time_series.arrays()
-                out["summary"] = self._summary(st, row)
+                out["summary"] = self._summary(st, row, frame.requests, extra)
         return out
 
-    def _summary(self, st: dict, row: dict) -> dict[str, Any]:
+    def _summary(self, st: dict, row: dict, requests: Any = None, extra: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         run = st["run"]
+        ttft, ttft_of = row["ttft_p50_ms"], "finished"
+        if ttft is None and requests:
+            # No request of the run has finished yet: the p50 over those that have their first token (what the
+            # board shows), said as such, rather than "-" next to a board full of TTFTs.
+            firsts = sorted(r.timings.ttft_s for r in requests
+                            if getattr(r.state, "name", "") in ("DECODING", "PREFILLING")
+                            and r.timings.ttft_s is not None)
+            if firsts:
+                ttft, ttft_of = 1000 * firsts[(len(firsts) - 1) // 2], f"{len(firsts)} running"
         cfg = self.engine.config
         device = getattr(getattr(self.engine, "device", None), "type", "cpu")
         marker = self._runs.last
@@ -156,9 +192,10 @@ class LivePlotsPanel(Panel):
             "max_batch_tokens": cfg.max_batch_tokens, "device": device,
             "graphs_enabled": bool(any(cfg.cuda_graph_booleans)),
             "out_tok_s": row["out_tok_s"], "run_out_tok_s": run["output_tokens_per_s"],
-            "ttft_p50_ms": row["ttft_p50_ms"], "tpot_p50_ms": row["tpot_p50_ms"],
+            "ttft_p50_ms": ttft, "ttft_of": ttft_of, "tpot_p50_ms": row["tpot_p50_ms"],
             "prefix_hit_tokens": run["prefix_hit_tokens"], "prefix_hit_pct": run["prefix_hit_rate_pct"],
-            "swaps": run["swaps"], "soft_resets": run["soft_resets"], "restores": run["restores"],
+            "swaps": run["swaps"] + extra[0], "soft_resets": run["soft_resets"] + extra[1],
+            "restores": run["restores"],
             "graph_captures": run["cuda_graph_captures"], "graph_replays": run["cuda_graph_replays"],
             "graph_capture_failures": run.get("cuda_graph_capture_failures", 0),
             "kv_blocks_pct": row["kv_blocks_pct"], "kv_tokens_pct": row["kv_tokens_pct"],

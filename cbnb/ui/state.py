@@ -133,6 +133,27 @@ def _ordered(requests: Sequence[Any], max_finished: int) -> tuple[list[Any], int
     return live + ended[:max_finished], hidden
 
 
+def cap_live(rows: list[list[Any]], max_live: int) -> tuple[list[list[Any]], int]:
+    """At most `max_live` live rows of `request_rows`' output (those running first, then the oldest waiting, each
+    in arrival order; ended rows kept). Returns (rows, live rows left out)."""
+    live = [r for r in rows if r[1] not in TERMINAL_STATES]
+    if len(live) <= max_live:
+        return rows, 0
+    running = [r for r in live if r[1] != "PENDING"]
+    waiting = [r for r in live if r[1] == "PENDING"]
+    kept = (running + waiting)[:max_live]
+    return kept + [r for r in rows if r[1] in TERMINAL_STATES], len(live) - len(kept)
+
+
+def board_note(counts: dict[str, int], hidden_live: int, hidden_ended: int) -> str:
+    """The board's line on what it leaves out, e.g. "showing 200 of 10,000 live requests (9,800 pending not
+    listed)" ("" when it lists everything live)."""
+    if not hidden_live:
+        return ""
+    live = sum(n for s, n in counts.items() if s not in TERMINAL_STATES)
+    return f"showing {live - hidden_live:,} of {live:,} live requests ({hidden_live:,} not listed: Cancel all reaches them)"
+
+
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
                  "prefix_cached_tokens", "offloads", "soft_resets", "sampling", "error", "warning", "finish_reason",

@@ -55,6 +55,10 @@ class SubmitPanel(Panel):
         """Submit one prompt (default: the panel's fields). Returns the `RequestHandle`, or None when the input
         was refused (the reason is shown on the panel)."""
         prompt = self.prompt if prompt is None else prompt
+        note = self.engine_note()
+        if note:  # a stopped engine, or one the notebook replaced: the prompt would go where nobody looks
+            self.show(f"Not submitted. {note}", "error")
+            return None
         mnt = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         temp = self.temperature if temperature is None else temperature
         if not isinstance(prompt, str) or not prompt.strip():
@@ -102,6 +106,10 @@ class SubmitPanel(Panel):
         from ..lab.workloads import get_workload
 
         name = self.workload if name is None else name
+        note = self.engine_note()
+        if note:
+            self.show(f"Workload not started. {note}", "error")
+            return []
         scale = self.workload_scale if scale is None else scale
         try:
             scale = float(scale)

@@ -41,6 +41,7 @@ class TimelinePanel(Panel):
         kinds, reasons: the names behind the codes; reason_info: reason -> {label, meaning}.
         runs: run markers {step, cause, label} (a new run starts after `step`).
         selected: the selected request id ("" for none).
+        note: what the rows leave out ("showing the newest 256 of 10,000 requests ..."; "" when nothing).
         view_steps: how many of the newest steps the columns show (25-500; the cells hold `max_steps`).
     """
 
@@ -54,6 +55,7 @@ class TimelinePanel(Panel):
     reason_info = traitlets.Dict().tag(sync=True)
     runs = traitlets.List().tag(sync=True)
     selected = traitlets.Unicode("").tag(sync=True)
+    note = traitlets.Unicode("").tag(sync=True)
     view_steps = traitlets.Int(100).tag(sync=True)  # the newest steps the front-end shows (set by its "show" menu)
 
     def __init__(self, engine: Any, *, max_rows: int = 256, max_steps: int = 500, **kwargs: Any) -> None:
@@ -110,7 +112,8 @@ class TimelinePanel(Panel):
         for m in meta:
             m["label"] = self._labels.get(m["id"], "")
         st.prune_offloads()
-        return {"rows": meta, "first_step": first, "num_steps": n, "cells": cells, "runs": list(st.runs)}
+        return {"rows": meta, "first_step": first, "num_steps": n, "cells": cells, "runs": list(st.runs),
+                "note": st.note()}
 
     def details(self, request_id: str, step: int) -> dict[str, Any]:
         """Hover details of one cell (see `TimelineState.details`). Raises ValueError outside the window."""

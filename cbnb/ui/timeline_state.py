@@ -55,7 +55,12 @@ class TimelineState:
         self._plans: deque[Any] = deque(maxlen=max_steps)  # StepPlanned events of the window (hover details)
         self._offloads: dict[int, list[Any]] = {}  # step -> Offload / Restore events (hover details)
         self.runs: list[dict[str, Any]] = []  # {step, cause, label} of RunStarted events
+        self._seen: set[str] = set()  # every request id met (bounded by `SEEN_MAX`), for "showing N of M"
+        self._seen_over = 0  # requests met after `_seen` filled up
         self.version = 0  # bumped whenever the cells change
+
+    #: Request ids remembered for the count of requests met; past it, new requests are only counted.
+    SEEN_MAX = 200_000
 
     def clear(self) -> None:
         """Forget everything (the version keeps counting)."""
@@ -64,12 +69,34 @@ class TimelineState:
         self.version = version + 1
 
     # ------------------------------------------------------------------------------------------ rows, columns
+    def _meet(self, rid: str) -> None:
+        if rid in self._seen:
+            return
+        if len(self._seen) < self.SEEN_MAX:
+            self._seen.add(rid)
+        else:
+            self._seen_over += 1
+
+    @property
+    def total_requests(self) -> int:
+        """Requests met in the events read (those given a row and those left off)."""
+        return len(self._seen) + self._seen_over
+
+    def note(self) -> str:
+        """What the rows leave out, e.g. "showing the newest 256 of 10,000 requests" ("" when every request met
+        has a row)."""
+        total, shown = self.total_requests, len(self.rows)
+        if total <= shown:
+            return ""
+        return f"showing the newest {shown:,} of {total:,} requests (the timeline keeps {self.max_rows:,} rows)"
+
     def _row(self, rid: str, create: bool = False) -> int | None:
         r = self.rows.get(rid)
         if r is not None:
             return r["slot"]
         if not create:
             return None
+        self._meet(rid)
         if not self._free_slots:  # drop the oldest request
             _, old = self.rows.popitem(last=False)
             self._free_slots.append(old["slot"])
@@ -103,19 +130,23 @@ class TimelineState:
         self.cells[slot, c] = code
         self.blocks[slot, c] = min(self._held.get(rid, 0), 65535)
 
-    def _slots(self, ids: Iterable[str]) -> list[int]:
-        """Row slots of `ids`; a request never seen gets a row while there is room (one admitted before the
-        timeline existed), but never pushes a newer request out."""
-        rows, out = self.rows, []
-        for rid in ids:
+    def _slots(self, items: Iterable[Any], key: Any = None) -> tuple[list[Any], list[int]]:
+        """The `items` (request ids, or tuples whose `key` gives the id) that have a row, and their row slots, in
+        step. A request never seen gets a row while there is room (one admitted before the timeline existed), but
+        never pushes a newer request out: the rest are left off (and counted in `total_requests`)."""
+        rows, kept, out = self.rows, [], []
+        for item in items:
+            rid = item if key is None else key(item)
             r = rows.get(rid)
             if r is None:
                 if len(rows) >= self.max_rows:
+                    self._meet(rid)
                     continue
                 self._row(rid, create=True)
                 r = rows[rid]
+            kept.append(item)
             out.append(r["slot"])
-        return out
+        return kept, out
 
     # ------------------------------------------------------------------------------------------ events
     def add_events(self, events: Iterable[Any]) -> int:
@@ -141,9 +172,8 @@ class TimelineState:
         self._plans.append(e)
         budget = max(1, int(e.token_budget))
         held = self._held
-        taken = [t for t in e.taken if t[0] in self.rows or len(self.rows) < self.max_rows]
+        taken, slots = self._slots(e.taken, key=lambda t: t[0])
         if taken:
-            slots = self._slots(t[0] for t in taken)
             codes = [PREFILL | (max(1, min(15, round(15 * n / budget))) << 4) if phase == "prefill" else DECODE
                      for _rid, phase, n, _s, _h in taken]
             self.cells[slots, c] = codes
@@ -153,10 +183,9 @@ class TimelineState:
                 self.rows[rid]["state"] = "PREFILLING" if phase == "prefill" else "DECODING"
         for reason, ids, _detail in e.skipped:
             idx = _REASON_INDEX.get(reason, 15) << 4
-            kept = [rid for rid in ids if rid in self.rows or len(self.rows) < self.max_rows]
+            kept, slots = self._slots(ids)
             if not kept:
                 continue
-            slots = self._slots(kept)
             swapped = self._swapped
             self.cells[slots, c] = [(IN_SWAP if rid in swapped else WAITING) | idx for rid in kept]
             self.blocks[slots, c] = [min(held.get(rid, 0), 65535) for rid in kept]

@@ -88,8 +88,8 @@ def test_defaults_match_a_fresh_transformers_object() -> None:
 
 
 def test_scheduler_defaults() -> None:
-    assert SCHEDULER_TYPES == ("fifo", "prefill_first")
-    assert DEFAULT_SAFETY_MARGINS == {"fifo": 0.15, "prefill_first": 0.0}
+    assert SCHEDULER_TYPES == ("fifo", "prefill_first", "vllm")
+    assert DEFAULT_SAFETY_MARGINS == {"fifo": 0.15, "prefill_first": 0.0, "vllm": 0.0}  # vllm: its watermark
     assert ContinuousBatchingConfig().effective_safety_margin == 0.15
     assert ContinuousBatchingConfig(scheduler_type="prefill_first").effective_safety_margin == 0.0
     assert ContinuousBatchingConfig(scheduler_type="prefill_first", safety_margin=0.4).effective_safety_margin == 0.4

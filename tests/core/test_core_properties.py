@@ -102,7 +102,7 @@ class Setup:
         return cfg, cm
 
 
-def setups(family: str):
+def setups(family: str, schedulers: tuple[str, ...] = ("fifo", "prefill_first")):
     page = st.sampled_from([4, 8, 16]) if family != "large_page" else st.sampled_from([32, 64])
     fam = "full" if family in ("full", "full_noshare", "large_page") else family
     n_full = st.integers(1, 3) if fam in ("full", "hybrid") else st.just(0)
@@ -120,7 +120,7 @@ def setups(family: str):
         sharing=sharing,
         eviction=st.sampled_from(["transformers", "lru"]),
         swap_sectors=st.sampled_from([2, 0, 16, 1, 0]),
-        scheduler=st.sampled_from(["fifo", "prefill_first"]),
+        scheduler=st.sampled_from(list(schedulers)),
         safety_margin=st.sampled_from([None, 0.0, None, 0.3, 0.6]),
         max_batch_tokens=st.sampled_from([8, 3, 64, 16, 1]),
         max_requests=st.sampled_from([64, 4, 2, 1]),
@@ -216,6 +216,7 @@ class Sim:
         self.n_offloads = 0
         self.n_hits = 0
         self.n_defrag = 0
+        self.n_preempted = 0
         self.refused = 0
         orig_allocate = self.cm.allocate
 
@@ -323,6 +324,7 @@ class Sim:
     def step(self, fail: bool = False, cancel_mid: int | None = None) -> None:
         core, cm = self.core, self.cm
         active_before = len(core.scheduler.active)
+        self.admitted_now = set(core.scheduler.waiting)
         free_before = independent_free_fraction(cm)
         in_flight = ({x.request_id for x in self.prev.plan.scheduled if x.samples and not x.request.is_terminal}
                      if self.prev is not None else set())
@@ -333,8 +335,16 @@ class Sim:
         # ---- plan checks
         if not work.offloads:
             assert abs(plan.free_fraction - free_before) < 1e-9
-        if plan.free_fraction < plan.safety_margin:
+        vllm = self.setup.scheduler == "vllm"
+        if plan.free_fraction < plan.safety_margin and not vllm:  # (vLLM's policy reads it as its watermark)
             assert all(s.phase == "decode" for s in plan.scheduled[1:]), "prefill admitted below the safety margin"
+        if vllm:
+            # max_num_seqs caps the running requests; a step that preempted admits nobody (strict vLLM order).
+            assert len(core.scheduler.active) <= self.cfg.max_requests_per_batch
+            if plan.preempted:
+                assert all(s.request.request_id in core.scheduler.active and s.request_id not in self.admitted_now
+                           for s in plan.scheduled)
+            self.n_preempted += len(plan.preempted)
         if work.offloads:
             self.n_offloads += len(work.offloads)
             if work.offloads[0].reason.startswith("defragment"):
@@ -674,6 +684,26 @@ def test_random_workloads(family: str, examples: int) -> None:
     inner()
 
 
+VLLM_RUNS = {"preempted": 0}
+
+
+@pytest.mark.parametrize("family, examples", [("full", 80), ("hybrid", 40)])
+def test_vllm_policy_random_workloads(family: str, examples: int) -> None:
+    """vLLM's policy under the same content oracle and invariants: every step within max_batch_tokens (vLLM's
+    max_num_batched_tokens) and with at most max_requests_per_batch (max_num_seqs) running requests, recompute
+    preemptions free blocks and the preempted requests finish with the tokens the fake runner produced."""
+
+    @settings(max_examples=examples, **SETTINGS)
+    @given(setup=setups(family, ("vllm",)), workload=WORKLOAD, async_mode=st.sampled_from([False, True]))
+    def inner(setup: Setup, workload, async_mode: bool) -> None:
+        sim = Sim(setup, async_mode)
+        sim.run(gen_ops(*workload))
+        VLLM_RUNS["preempted"] += sim.n_preempted
+
+    inner()
+    assert VLLM_RUNS["preempted"] > 0, "no preemption was exercised"
+
+
 class RecordingSim(Sim):
     """A `Sim` whose scheduler records skips compactly or one by one, keeping every step's plan in plain form."""
 
@@ -706,13 +736,15 @@ class RecordingSim(Sim):
 TAILS = {"n": 0}
 
 
-@pytest.mark.parametrize("family, examples", [("full", 60), ("hybrid", 40)])
-def test_compact_skips_expand_to_the_per_request_reasons(family: str, examples: int) -> None:
+@pytest.mark.parametrize("family, examples, schedulers", [("full", 60, ("fifo", "prefill_first")),
+                                                         ("hybrid", 40, ("fifo", "prefill_first")),
+                                                         ("full", 30, ("vllm",))])
+def test_compact_skips_expand_to_the_per_request_reasons(family: str, examples: int, schedulers) -> None:
     """`QueueTail` entries (the rest of the waiting queue in one record) expand to exactly the ids and reasons the
     per-request loop (`compact_skips = False`) lists, and the decisions are the same, step for step."""
 
     @settings(max_examples=examples, **SETTINGS)
-    @given(setup=setups(family), workload=WORKLOAD, async_mode=st.sampled_from([False, True]))
+    @given(setup=setups(family, schedulers), workload=WORKLOAD, async_mode=st.sampled_from([False, True]))
     def inner(setup: Setup, workload, async_mode: bool) -> None:
         ops = gen_ops(*workload)
         compact, reference = RecordingSim(setup, async_mode, True), RecordingSim(setup, async_mode, False)

@@ -9,14 +9,13 @@ from cbnb.core.cache.manager import CacheManager
 from cbnb.core.config import ContinuousBatchingConfig
 from cbnb.core.engine_core import EngineCore
 from cbnb.core.requests import Request, RequestState, SamplingParams
+from cbnb.core.policies import SCHEDULERS, make_scheduler
 from cbnb.core.scheduler import (
-    SCHEDULERS,
     BatchPlan,
     FIFOScheduler,
     PrefillFirstScheduler,
     Scheduler,
     SkipReason,
-    make_scheduler,
 )
 
 P = 4
@@ -58,7 +57,7 @@ def test_make_scheduler() -> None:
     assert isinstance(core.scheduler, FIFOScheduler) and core.scheduler.safety_margin == 0.15
     pf = core_for(scheduler_type="prefill_first")
     assert isinstance(pf.scheduler, PrefillFirstScheduler) and pf.scheduler.safety_margin == 0.0
-    assert set(SCHEDULERS) == {"fifo", "prefill_first"}
+    assert set(SCHEDULERS) == {"fifo", "prefill_first", "vllm"}
     cfg = ContinuousBatchingConfig().resolve()
     object.__setattr__(cfg, "scheduler_type", "lifo")  # bypass validation
     with pytest.raises(ValueError, match="'fifo', 'prefill_first'"):

@@ -135,7 +135,7 @@ def test_chunked_prefill(tiny):
             assert len(chunks) >= 2
 
 
-@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first", "vllm"])
 def test_schedulers(tiny, scheduler):
     name, model, oracle = tiny
     engine, rec, outs = _run(model, config(page_size=16, max_batch_tokens=40, scheduler_type=scheduler))
@@ -165,6 +165,16 @@ def test_soft_reset(tiny, sharing):
     assert engine.cache.swap is None
     assert sum(o.num_offloads for o in outs) == 0
     assert sum(o.num_soft_resets for o in outs) > 0, "no soft reset happened: the test did not exercise it"
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["no_sharing", "sharing"])
+def test_vllm_policy_recompute_preemption(tiny, sharing):
+    name, model, oracle = tiny
+    nb = 5 if name == "tiny:mistral" else 12
+    engine, rec, outs = _run(model, config(page_size=8, num_blocks=nb, max_batch_tokens=64, scheduler_type="vllm",
+                                           allow_block_sharing=sharing))
+    _assert_match(oracle, STD_PROMPTS, outs, STD_NEW)
+    assert sum(o.num_soft_resets for o in outs) > 0, "nothing was preempted: the test did not exercise it"
 
 
 def test_mixed_max_new_tokens(tiny):

@@ -34,6 +34,17 @@ def test_every_cbnb_package_is_listed_for_the_wheel():
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
 
 
+def test_every_data_folder_is_listed_too():
+    """A folder of data files inside a package must be a listed package too: else setuptools prints a 35-line
+    "Package ... is absent from the `packages` configuration" warning at set-up (issue 40), which a newcomer reads
+    as a broken install."""
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    data = {".".join(p.relative_to(REPO).parts) for p in (REPO / "cbnb").rglob("*")
+            if p.is_dir() and p.name != "__pycache__" and any(f.is_file() for f in p.iterdir())}
+    missing = data - listed
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+
+
 def test_widgets_folder_is_mapped_and_complete():
     st = _pyproject()["tool"]["setuptools"]
     assert "cbnb.widgets" in st["packages"] and st["package-dir"]["cbnb.widgets"] == "widgets"

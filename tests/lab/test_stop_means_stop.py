@@ -1,0 +1,136 @@
+"""Stop means stop (issue 40, item 2): an interrupt (a notebook's stop button: KeyboardInterrupt in the thread that
+runs the cell) or a `timeout=` during `run_workload`, `sweep`, `measure_capacity` or a load sweep cancels everything
+that call submitted, on the real engine and on the simulator, and says so in one line.
+
+The interrupt is delivered as the stop button delivers it: SIGINT to the main thread (the test's), from a timer
+thread that waits until the call has requests in the engine."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import cbnb
+from cbnb import ContinuousBatchingConfig
+from cbnb.lab import traffic as tr
+from cbnb.lab.load_sweep import load_sweep
+from cbnb.lab.tuning import measure_capacity, run_workload, sweep
+from cbnb.lab.workloads import synthetic
+from cbnb.sim import SimEngine
+
+from helpers_engine import TIMEOUT, tiny_model, torch_threads
+
+LIVE = ("PENDING", "PREFILLING", "DECODING")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("tiny:llama")
+
+
+def _workload(n: int = 24, new: int = 40):
+    return synthetic("stop", n, tr.Offline(), tr.Uniform(8, 40), tr.Fixed(new), vocab_size=512, seed=1)
+
+
+def _live(engine) -> list[str]:
+    return [o.request_id for o in engine.requests_snapshot() if o.state.name in LIVE]
+
+
+def _interrupt_when(cond, timeout: float = TIMEOUT) -> threading.Thread:
+    """SIGINT to the main thread once `cond()` holds (polled from a timer thread), as the stop button does."""
+    main = threading.main_thread().ident
+
+    def fire():
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if cond():
+                    break
+            except Exception:
+                pass
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_no_live(engine, timeout: float = TIMEOUT) -> list[str]:
+    """The engine's live requests once they are all gone (a cancel takes effect at the next step), or what is left
+    after `timeout`."""
+    end = time.monotonic() + timeout
+    while _live(engine) and time.monotonic() < end:
+        time.sleep(0.02)
+    return _live(engine)
+
+
+@pytest.fixture
+def engine(model):
+    eng = cbnb.Engine(model, config=ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=32))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def _running(engine) -> bool:
+    return any(o.state.name == "DECODING" for o in engine.requests_snapshot())
+
+
+@pytest.mark.parametrize("call", ["run_workload", "sweep", "measure_capacity", "load_sweep"])
+def test_an_interrupt_cancels_everything_the_call_submitted_on_the_real_engine(engine, call, capsys):
+    wl = _workload()
+    t = _interrupt_when(lambda: _running(engine))
+    with pytest.raises(KeyboardInterrupt) as exc:
+        if call == "run_workload":
+            run_workload(engine, wl, timeout=TIMEOUT)
+        elif call == "sweep":
+            sweep(engine, wl, {"max_batch_tokens": [32, 64]}, repeats=2, progress=False, timeout=TIMEOUT)
+        elif call == "measure_capacity":
+            measure_capacity(engine, wl, repeats=2, timeout=TIMEOUT)
+        else:
+            load_sweep(engine, wl, concurrencies=[4, 8], timeout=TIMEOUT)
+    t.join()
+    assert _wait_no_live(engine) == [], "the engine still runs requests of the interrupted call"
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("cbnb: run interrupted")]
+    assert len(line) == 1 and "cancelled" in line[0], line
+    assert any("cancelled" in n for n in getattr(exc.value, "__notes__", []))
+    # the engine serves the next call
+    assert engine.generate([[5, 6, 7]], max_new_tokens=2, ignore_eos=True)[0].state.name == "FINISHED"
+
+
+def test_a_timeout_cancels_everything_the_call_submitted(engine, capsys):
+    with pytest.raises(TimeoutError):
+        run_workload(engine, _workload(n=30, new=60), timeout=0.5)
+    assert _wait_no_live(engine) == []
+    assert "cbnb: run timed out: cancelled" in capsys.readouterr().err
+
+
+def _sim() -> SimEngine:
+    return SimEngine("smollm2-135m", "h100-sxm", ContinuousBatchingConfig(page_size=16, num_blocks=4096,
+                                                                          max_batch_tokens=256))
+
+
+@pytest.mark.parametrize("call", ["run_workload", "sweep"])
+def test_an_interrupt_cancels_everything_the_call_submitted_on_the_simulator(call, capsys):
+    """The simulator runs in the caller's thread (virtual clock): the interrupt lands inside the simulation."""
+    sim = _sim()
+    wl = synthetic("stop", 4000, tr.Poisson(2000.0), tr.Uniform(64, 512), tr.Fixed(256), vocab_size=512, seed=2)
+    t = _interrupt_when(lambda: sim.present > 0.05)
+    with pytest.raises(KeyboardInterrupt):
+        if call == "run_workload":
+            run_workload(sim, wl, timeout=TIMEOUT)
+        else:
+            sweep(sim, wl, {"max_batch_tokens": [256, 512]}, repeats=1, progress=False, timeout=TIMEOUT)
+    t.join()
+    assert _live(sim) == [], "the simulator still holds requests of the interrupted call"
+    assert "cbnb: run interrupted: cancelled" in capsys.readouterr().err
