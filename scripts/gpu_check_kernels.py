@@ -221,7 +221,7 @@ def prefill_timing(ta: Any, timing: dict[str, Any]) -> None:
 
 def run(smoke: bool, device: str, sms: int, log: Callable, publish: Callable[[dict[str, Any]], None]) -> dict:
     """The section: correctness of every case (each guarded), then timings (CUDA only)."""
-    from cbnb.runner import triton_attention as ta
+    from cbnb.runner.cuda import triton_attention as ta
 
     res: dict[str, Any] = {"checks": [], "gpu_case_inputs": []}
     rng = random.Random(0)

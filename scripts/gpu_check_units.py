@@ -80,7 +80,7 @@ def part_probe() -> dict[str, Any]:
     import torch
     import transformers
 
-    from cbnb.runner.device_checks import build_tools, triton_launch_check
+    from cbnb.runner.cuda.device_checks import build_tools, triton_launch_check
 
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,

@@ -195,11 +195,11 @@ def assert_cache_empty(engine: cbnb.Engine) -> None:
 
 
 def async_engine(model: torch.nn.Module, cfg: cbnb.ContinuousBatchingConfig, **runner_kw: Any) -> cbnb.Engine:
-    from cbnb.runner.cuda_runner import CudaModelRunner
+    from cbnb.runner.cuda.cuda_runner import CudaModelRunner
 
     engine = cbnb.Engine(model, config=cfg)
-    runner = CudaModelRunner(engine.model, engine.cache, engine.store, seed=engine.config.seed, attention="torch",
-                             **runner_kw)
+    runner = CudaModelRunner(engine.model, engine.cache.geometry(), engine.store, seed=engine.config.seed,
+                             attention="torch", **runner_kw)
     runner.configure(engine.config, use_cuda_graph=True, use_async_batching=True)
     assert runner.async_mode
     engine.runner = runner

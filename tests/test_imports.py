@@ -109,9 +109,10 @@ def test_runners_take_plan_types_from_plain_data_and_form_no_cycle():
     # The runner executes plans; it does not make them: no scheduler, core or offload policy behind it.
     mods = _loaded_after("import cbnb.runner.model_runner, cbnb.runner.batch, cbnb.runner.kv")
     assert "cbnb.core.plan" in mods
-    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload", "cbnb.runner.cuda_runner"} & mods
+    assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload",
+                "cbnb.runner.cuda.cuda_runner"} & mods
     # cuda_runner imports model_runner (a subclass), never the other way; the factory is the one chooser.
-    mods = _loaded_after("import cbnb.runner.cuda_runner")
+    mods = _loaded_after("import cbnb.runner.cuda.cuda_runner")
     assert {"cbnb.runner.model_runner", "cbnb.core.plan"} <= mods and "cbnb.runner.factory" not in mods
     assert not {"cbnb.core.scheduler", "cbnb.core.engine_core", "cbnb.core.offload"} & mods
 
@@ -223,3 +224,18 @@ def test_no_import_circles_lazy_imports_included():
     cycles = import_cycles(import_graph())
     assert cycles == [], "import circles (each a strongly connected set of cbnb modules):\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
+
+
+def test_runners_never_import_the_cache_manager_and_layer_by_device():
+    # A runner is built from the cache's plain `KVGeometry` and reads each step's `StepWork` (cbnb/core/plan.py's
+    # contract): no runner module imports the cache manager, not even lazily.
+    g = import_graph()
+    runner = {m: deps for m, deps in g.items() if m.startswith("cbnb.runner.")}
+    assert "cbnb.runner.cuda.cuda_runner" in runner and "cbnb.runner.cpu.cpu_kernels" in runner
+    assert not [m for m, deps in runner.items() if "cbnb.core.cache.manager" in deps]
+    # cpu/ imports nothing of the runner outside cpu/; the shared modules import cuda/ only in the factory (lazily).
+    assert not {(m, d) for m, deps in runner.items() if m.startswith("cbnb.runner.cpu.")
+                for d in deps if d.startswith("cbnb.runner.") and not d.startswith("cbnb.runner.cpu.")}
+    assert {(m, d) for m, deps in runner.items() if not m.startswith(("cbnb.runner.cpu.", "cbnb.runner.cuda."))
+            for d in deps if d.startswith("cbnb.runner.cuda.")} == {("cbnb.runner.factory",
+                                                                     "cbnb.runner.cuda.cuda_runner")}

@@ -316,9 +316,9 @@ _ENV_VARIANTS = {"cpu_kernels": "CBNB_CPU_KERNELS", "onednn_linear": "CBNB_ONEDN
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     """A cbnb run with one named option: "telemetry=off|on", "dashboard=off|on", "use_cuda_graph=...",
     "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on" (the decode kernel and the oneDNN
-    linears), "onednn_linear=off|on" (the linears alone, `cbnb.runner.cpu_linear`), "packed_linear=off|on" (their
+    linears), "onednn_linear=off|on" (the linears alone, `cbnb.runner.cpu.cpu_linear`), "packed_linear=off|on" (their
     packed weights and fused projections alone), "cpu_layers=off|on" (the decoder-layer forward with C ops alone,
-    `cbnb.runner.cpu_layers`), "cpu_prefill=off|on" (the prefill rows' attention kernel alone), "sampled=off|on" (every
+    `cbnb.runner.cpu.cpu_layers`), "cpu_prefill=off|on" (the prefill rows' attention kernel alone), "sampled=off|on" (every
     request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run),
     "json_schema=off|on" (every request constrained by `JSON_SCHEMA`; ``extra["grammar"]``: the mask's host time,
     `cbnb.runner.grammar.Stats`, and ``mask_ms_per_step``, what the steps waited for masks)."""
@@ -345,7 +345,7 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
         config = config.copy(**{key: on})
     elif key == "default_compile_level":
         config = config.copy(default_compile_level=int(val))
-    elif key in _ENV_VARIANTS:  # cbnb.runner.cpu_kernels / cpu_linear / cpu_layers
+    elif key in _ENV_VARIANTS:  # cbnb.runner.cpu.cpu_kernels / cpu_linear / cpu_layers
         env = _ENV_VARIANTS[key]
         r = _with_env(env, "1" if on else "0",
                       lambda: run_cbnb(model, tokenizer, wl, config, name=f"cbnb[{variant}]"))

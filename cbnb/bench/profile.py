@@ -24,7 +24,7 @@ _ELEMENTWISE = {"mul", "add", "silu", "pow", "mean", "rsqrt", "neg", "cat", "sum
 
 def category(op: str) -> str:
     """The category of an ATen op name (e.g. "aten::mm" -> "gemm"; the CPU runner's linears are
-    "mkldnn::_linear_pointwise", `cbnb.runner.cpu_linear`)."""
+    "mkldnn::_linear_pointwise", `cbnb.runner.cpu.cpu_linear`)."""
     name = op.split("::")[-1]
     if name in ("mm", "addmm", "bmm", "baddbmm", "_linear_pointwise"):
         return "gemm"
@@ -45,7 +45,7 @@ def profile_run(args: argparse.Namespace) -> dict[str, Any]:
     from ..core.config import ContinuousBatchingConfig
     from ..engine.engine import Engine
     from ..engine.models import load_model
-    from ..runner import cpu_kernels, layer_ops
+    from ..runner.cpu import cpu_kernels, layer_ops
     from ..lab.workloads import get_workload
 
     if args.threads:

@@ -124,7 +124,7 @@ def _validate_prefix_eviction(v: Any) -> None:
 
 
 def _validate_compile_config(name: str, v: Any) -> None:
-    # transformers accepts a CompileConfig or a dict; cbnb stores either as given (cbnb.runner.compiled reads it).
+    # transformers accepts a CompileConfig or a dict; cbnb stores either as given (cbnb.runner.cpu.compiled reads it).
     if v is not None and not isinstance(v, dict) and type(v).__name__ != "CompileConfig":
         _fail(name, "None, a dict, or a transformers CompileConfig", v)
 

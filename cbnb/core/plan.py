@@ -13,7 +13,8 @@ scheduler, the cache manager or the core.
 - `StepWork`: the plan plus what the core decided around it (offloads, the swap-out and restore copies, requests
   failed while scheduling) and where the step's KV lives (`StepKV`: per scheduled row and layer group, the block
   table and the write slots), i.e. everything the runner must do for the step: a runner reads the step's
-  `StepWork`, never the cache manager.
+  `StepWork`, never the cache manager. A runner is built from the cache's fixed `KVGeometry` (page size, layer
+  groups, capacity), plain data too.
 - `StepResult`: what a runner hands back: the sampled token per request and where the time went.
 
 Field types that belong to the deciding modules (`Request`, `Allocation`, `OffloadDecision`, `SwapOut`) are named
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # names only: importing them would tie this module to the dec
     from .requests import Request
 
 __all__ = ["SkipReason", "ScheduledRequest", "SkippedRequests", "QueueTail", "StalledRequest", "BatchPlan",
-           "KVGroup", "RowKV", "StepKV", "decode_slot",
+           "KVGroup", "KVGeometry", "RowKV", "StepKV", "decode_slot",
            "StepWork", "StepResult"]
 
 
@@ -225,6 +226,17 @@ class KVGroup:
     window: int
     read_padding_block: int | None
     write_padding_block: int | None
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The KV cache's fixed geometry, all a runner is built from (`CacheManager.geometry()`; plain data, so that
+    no runner reads the cache manager): `page_size` in tokens, `groups` (a `KVGroup` per layer group, in layer-group
+    order) and `capacity_tokens` (tokens the largest layer group can hold)."""
+
+    page_size: int
+    groups: tuple[KVGroup, ...]
+    capacity_tokens: int
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from ..core.cache.sizing import MemoryPlan, plan_memory
 from ..core.config import ContinuousBatchingConfig
 from ..core.engine_core import EngineCore
 from ..core.requests import Request
-from ..runner import cpu_linear
+from ..runner.cpu import cpu_linear
 from ..runner.factory import make_runner
 from ..runner.kv import KVStore
 from ..runner.model_runner import ModelRunner
@@ -113,7 +113,7 @@ class EngineBuilder:
         store = KVStore(layout, mp.num_sectors, self.device, self.dtype, swap_sectors=swap)
         core = EngineCore(resolved, cache, on_terminal=on_terminal)
         core.measure_shared_reads = self.device.type == "cpu"  # recorded for the simulator's CPU cost model
-        runner = make_runner(self.model, cache, store, seed=resolved.seed)
+        runner = make_runner(self.model, cache.geometry(), store, seed=resolved.seed)
         return EngineParts(config, resolved, layout, mp, cache, store, runner, core)
 
     def empty_device_cache(self) -> None:

@@ -53,7 +53,7 @@ from .step_mode import ThreadedStepMode
 from .stops import StopMatcher
 from .structured import request_grammar
 from ..telemetry.recorder import Recorder
-from ..runner.openmp import release_after_cells, release_caller_threads
+from ..runner.cpu.openmp import release_after_cells, release_caller_threads
 
 __all__ = ["Engine", "RequestHandle", "EngineStoppedError"]
 

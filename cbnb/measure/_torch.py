@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..runner import cpu_linear, layer_ops
-from ..runner.cpu_linear import runner_linear
+from ..runner.cpu import cpu_linear, layer_ops
+from ..runner.cpu.cpu_linear import runner_linear
 from ..sim.shapes import ModelShape
 from ._common import _ATT_ROWS, _ROWS, _median_time, _positive
 from ._torch_fit import _fixed_costs
@@ -29,20 +29,20 @@ METHODS = {
                   "non-decreasing in rows",
     "attention_flops": "scaled_dot_product_attention at the shape's heads: causal chunks and decode rows",
     "elementwise_curve": "one decoder layer's RMSNorms, RoPE, SiLU * up and residual adds at 1..512 rows (the "
-                         "CPU runner's C layer ops where it uses them, cbnb.runner.cpu_layers), L2 flushed before "
+                         "CPU runner's C layer ops where it uses them, cbnb.runner.cpu.cpu_layers), L2 flushed before "
                          "each run: the bytes the cost model counts for them per second",
     "gather_bandwidth": "the CPU runner's own page gather + masked attention for 16 decode rows over 512 keys: the "
                         "bytes the cost model counts per second",
     "past_attention_flops": "the CPU runner's prefill path over a past (page gather + masked attention, "
-                            "cbnb.runner.attention), chunks of 16 and 64 query rows over 128 and 512 past keys: "
+                            "cbnb.runner.cpu.attention), chunks of 16 and 64 query rows over 128 and 512 past keys: "
                             "least-squares fit of call + keys x per-key seconds + FLOPs / rate; the rate",
     "past_attention_key_s": "same fit: seconds per key of the chunk's K/V (its page gather and mask)",
     "past_attention_call_s": "same fit: the fixed seconds of one such call",
-    "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu_kernels, float32), "
+    "decode_kernel_bandwidth": "the CPU runner's compiled paged-decode kernel (cbnb.runner.cpu.cpu_kernels, float32), "
                                "cold (each layer's own pages, weights streamed between calls), 16 rows x 512 keys "
                                "and 1 row x 64 keys in pages of 16: the bytes the cost model counts per s",
     "decode_kernel_call_s": "same two points: the fixed cost of one call",
-    "prefill_kernel_flops": "the CPU runner's compiled prefill kernel (cbnb.runner.cpu_kernels.paged_prefill, "
+    "prefill_kernel_flops": "the CPU runner's compiled prefill kernel (cbnb.runner.cpu.cpu_kernels.paged_prefill, "
                             "float32), fresh chunks of 16-256 rows and chunks of 16-128 rows over 128-512 past keys: causal "
                             "FLOPs per second of a least-squares fit t = call + flops / rate",
     "prefill_kernel_call_s": "same fit: the fixed seconds of one call",
@@ -193,7 +193,7 @@ def _elementwise(s: ModelShape, dt: torch.dtype, quick: bool, reps: int, op_s: f
     half = d // 2
     junk = torch.ones((16 << 20) // 4)
     fast = _runner_layers(s)
-    # Calls per layer: transformers' eager ops, or the runner's C layer ops (cbnb.runner.cpu_layers: two norms,
+    # Calls per layer: transformers' eager ops, or the runner's C layer ops (cbnb.runner.cpu.cpu_layers: two norms,
     # rotary, SiLU * up) and its one residual add in torch.
     ops = 5 if fast else 5 * s.norms_per_layer + (10 if s.qk_norm else 0) + 14
     curve = []

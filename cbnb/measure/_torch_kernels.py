@@ -16,9 +16,9 @@ from ._common import _median_time
 from ._torch_fit import _tiny_model
 
 def _runner_layers(s: ModelShape) -> bool:
-    """Whether the CPU runner runs this shape's decoder layers through its C layer ops (`cbnb.runner.cpu_layers`),
+    """Whether the CPU runner runs this shape's decoder layers through its C layer ops (`cbnb.runner.cpu.cpu_layers`),
     asked of a one-layer model of the shape's type."""
-    from ..runner import cpu_layers
+    from ..runner.cpu import cpu_layers
 
     if s.dtype != "float32":
         return False
@@ -30,14 +30,14 @@ def _runner_layers(s: ModelShape) -> bool:
 
 
 def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float] | None:
-    """The CPU runner's compiled decode kernel (`cbnb.runner.cpu_kernels.paged_decode`, what the runner uses for
+    """The CPU runner's compiled decode kernel (`cbnb.runner.cpu.cpu_kernels.paged_decode`, what the runner uses for
     float32 decode rows when it is available), cold as in a forward: one call per layer over that layer's own pages
     (as many layers as the shape has, up to 256 MiB of pages), a layer's worth of weights streamed between calls.
     Two points, 16 rows over 512 keys and 1 row over 64 keys in pages of 16, give the bandwidth (the bytes the
     cost model counts per second, `cbnb.sim.cost.kernel_thread_bytes`) and the fixed cost of a call; a third, the
     16 rows with their first 448 keys in one shared prefix, the rate over keys another row read first (cache-hot).
     None when the kernel is unavailable or not float32."""
-    from ..runner import cpu_kernels
+    from ..runner.cpu import cpu_kernels
     from ..sim.cost import kernel_thread_bytes
 
     if dt != torch.float32 or not (cpu_kernels.enabled() and cpu_kernels.available()):
@@ -96,9 +96,9 @@ def _kernel_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...,
 
 def _gathered_decode(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> float:
     """The CPU runner's batched decode attention (rows whose keys span several pages): its page gather
-    (`cbnb.runner.attention._gather_pages`) and masked attention, 16 rows over 512 keys in pages of 16; returns the
+    (`cbnb.runner.cpu.attention._gather_pages`) and masked attention, 16 rows over 512 keys in pages of 16; returns the
     bytes the cost model counts for it per second."""
-    from ..runner.attention import _gather_pages
+    from ..runner.cpu.attention import _gather_pages
     from ..sim.cost import gathered_decode_bytes
 
     rows, keys, page, H, Hkv, d = 16, 512, 16, s.num_heads, s.num_kv_heads, s.head_dim
@@ -145,7 +145,7 @@ def _past_attention(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[...
     gathered, then masked attention): ``t = call + keys * key_s + flops / rate`` fitted by least squares over
     `_PAST_POINTS` (keys = past + chunk, flops = 4 H d n keys, the masked rectangle); returns {"flops", "key_s",
     "call_s"} (each clamped non-negative, the rate at most 16x the fastest measured)."""
-    from ..runner.attention import _gather_pages, _sdpa
+    from ..runner.cpu.attention import _gather_pages, _sdpa
 
     H, Hkv, d, page = s.num_heads, s.num_kv_heads, s.head_dim, 16
     rows, ys = [], []
@@ -176,11 +176,11 @@ _PREFILL_POINTS = ((16, 0), (64, 0), (256, 0), (64, 256), (16, 512), (128, 128))
 
 
 def _kernel_prefill(s: ModelShape, dt: torch.dtype, reps: int, log: Callable[..., None]) -> dict[str, float] | None:
-    """The CPU runner's compiled prefill kernel (`cbnb.runner.cpu_kernels.paged_prefill`, what the runner uses for
+    """The CPU runner's compiled prefill kernel (`cbnb.runner.cpu.cpu_kernels.paged_prefill`, what the runner uses for
     the prefill chunks of full-attention layers in float32): ``t = call + flops / rate`` fitted by least squares
     (relative error) over `_PREFILL_POINTS`, flops = ``4 H d`` per causal query-key pair; returns {"flops",
     "call_s"}, or None when the runner would not use the kernel."""
-    from ..runner import cpu_kernels
+    from ..runner.cpu import cpu_kernels
 
     if dt != torch.float32 or not (cpu_kernels.prefill_enabled() and cpu_kernels.available()):
         return None

@@ -24,7 +24,7 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: f
 
     One pass applies every `nn.Linear` (the LM head only with `include_head`) once, in module order, each to an
     activation ``[rows, in_features]`` in the weight's dtype and device. On CPU, passes alternate between
-    ``F.linear``, the CPU runner's linear (`cbnb.runner.cpu_linear.runner_linear`: oneDNN, on packed weights while
+    ``F.linear``, the CPU runner's linear (`cbnb.runner.cpu.cpu_linear.runner_linear`: oneDNN, on packed weights while
     packing is on) when it differs, and, when the runner fuses sibling projections (`cpu_linear.fused_groups`), that
     linear over the fused weights; the fastest pass of any counts: the floor is what the best GEMM reaches
     (``"impl"`` names it).
@@ -41,7 +41,7 @@ def gemm_rate(model: Any, rows: int, include_head: bool, reps: int = 3, min_s: f
     plain = [(m.in_features, m.weight) for m in linears]
     impls: dict[str, Any] = {"F.linear": (F.linear, plain)}
     if w0.device.type == "cpu":
-        from ..runner import cpu_linear
+        from ..runner.cpu import cpu_linear
 
         alt = cpu_linear.runner_linear(w0.dtype)
         if alt is not F.linear:

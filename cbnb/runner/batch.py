@@ -5,7 +5,7 @@ All requests of a step are packed into one sequence of T query tokens (``input_i
 
 - **write slots** ``(write_block, write_offset)`` ``[T]``: where each token's K/V goes (the write-padding block
   for tokens a sliding layer does not keep);
-- **decode rows** (one query token with a past): with the CPU kernel (`cbnb.runner.cpu_kernels`, float32 on CPU),
+- **decode rows** (one query token with a past): with the CPU kernel (`cbnb.runner.cpu.cpu_kernels`, float32 on CPU),
   all of them in one call per layer from their block tables ``[Bd, max_pages]`` and key counts ``[Bd]``, reading
   the pages in place; otherwise (the torch path) a row whose keys fit in one page attends to that page in place
   (no copy: a page's slots are contiguous) and the others gather their pages ``[Bd, max_pages]`` (padded with the
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..core.plan import ScheduledRequest, StepKV, decode_slot
-from . import cpu_kernels
+from .cpu import cpu_kernels
 
 __all__ = ["PrefillRow", "GroupBatch", "StepBatch", "build_step_batch"]
 

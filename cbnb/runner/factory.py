@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..core.cache.manager import CacheManager
+from ..core.plan import KVGeometry
 from .kv import KVStore
 from .model_runner import ModelRunner
 
@@ -32,11 +32,12 @@ def runner_kind(device: torch.device | str | None) -> str:
     return "cuda" if mode != "0" and (on_cuda or mode == "fake") else "cpu"
 
 
-def make_runner(model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None,
+def make_runner(model: torch.nn.Module, geometry: KVGeometry, store: KVStore, seed: int | None = None,
                 **kwargs: Any) -> ModelRunner:
-    """The runner for `store`'s device (see the module docstring); `kwargs` go to `CudaModelRunner` only."""
+    """The runner for `store`'s device (see the module docstring), built from the cache's plain `geometry`
+    (`CacheManager.geometry()`); `kwargs` go to `CudaModelRunner` only."""
     if runner_kind(getattr(store, "device", None)) == "cuda":
-        from .cuda_runner import CudaModelRunner  # Triton and the graph machinery load only when used
+        from .cuda.cuda_runner import CudaModelRunner  # Triton and the graph machinery load only when used
 
-        return CudaModelRunner(model, cache, store, seed, **kwargs)
-    return ModelRunner(model, cache, store, seed)
+        return CudaModelRunner(model, geometry, store, seed, **kwargs)
+    return ModelRunner(model, geometry, store, seed)

@@ -4,8 +4,8 @@ A step: copy offloaded blocks (device -> host), restore swapped-in blocks (host 
 (`build_step_batch`), one model forward with ``logits_to_keep`` = the rows that sample (so the LM head only sees
 those rows), then sampling. The model's attention implementation is switched to "cbnb_paged" while the runner is
 active and restored by `deactivate()`; on CPU its linears then run through oneDNN in the runner's eager forwards
-(`cbnb.runner.cpu_linear`). With a compile config (`default_compile_level`, `varlen_compile_config`,
-`decode_compile_config`), the forward runs under `torch.compile` (`cbnb.runner.compiled`): pure-decode steps with
+(`cbnb.runner.cpu.cpu_linear`). With a compile config (`default_compile_level`, `varlen_compile_config`,
+`decode_compile_config`), the forward runs under `torch.compile` (`cbnb.runner.cpu.compiled`): pure-decode steps with
 the decode config, the others with the varlen config.
 """
 
@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
-from ..core.cache.manager import CacheManager
-from ..core.plan import StepResult, StepWork
-from . import cpu_layers, cpu_linear
-from .attention import ATTN_NAME, register
+from ..core.plan import KVGeometry, StepResult, StepWork
+from .cpu import cpu_layers, cpu_linear
+from .cpu.attention import ATTN_NAME, register
 from .batch import build_step_batch
-from .compiled import compiled_forward, resolve_compile_configs
+from .cpu.compiled import compiled_forward, resolve_compile_configs
 from .kv import KVStore
 from .sampling import Sampler, unpack
 
@@ -41,8 +40,8 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM (eval mode).
-        cache: the `CacheManager`: not read (every step's block tables and slots come with its `StepWork.kv`); kept
-            so that every runner has `make_runner`'s signature.
+        geometry: the cache's fixed `KVGeometry` (`CacheManager.geometry()`): not read by this runner (every step's
+            block tables and slots come with its `StepWork.kv`); every runner has `make_runner`'s signature.
         store: the `KVStore` (tensors).
         seed: engine-wide sampling seed (`ContinuousBatchingConfig.seed`).
 
@@ -57,7 +56,7 @@ class ModelRunner:
     #: Whether `execute` returns prompt logprobs for requests that ask (`Engine.submit(prompt_logprobs=k)`).
     supports_prompt_logprobs = True
 
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, geometry: KVGeometry, store: KVStore, seed: int | None = None) -> None:
         register()
         self.model = model
         self.store = store
@@ -178,7 +177,7 @@ class ModelRunner:
         return StepResult(tokens, timings, copied, logprobs=logprobs, invalid=invalid, prompt_logprobs=prompt_lps)
 
     def _linears(self) -> Any:
-        """The eager CPU forward's linears through oneDNN (`cbnb.runner.cpu_linear`; off with the CPU fast path)."""
+        """The eager CPU forward's linears through oneDNN (`cbnb.runner.cpu.cpu_linear`; off with the CPU fast path)."""
         if self._onednn is None:
             with _ACTIVE_LOCK:
                 self._onednn = self.device.type == "cpu" and _route_cpu(self.model)
@@ -186,8 +185,8 @@ class ModelRunner:
 
 
 def _route_cpu(model: Any) -> bool:
-    """Give the model the CPU fast path's linears (`cbnb.runner.cpu_linear`) and decoder layers
-    (`cbnb.runner.cpu_layers`); returns whether any linear takes oneDNN."""
+    """Give the model the CPU fast path's linears (`cbnb.runner.cpu.cpu_linear`) and decoder layers
+    (`cbnb.runner.cpu.cpu_layers`); returns whether any linear takes oneDNN."""
     onednn = cpu_linear.route(model) > 0
     cpu_layers.route(model)
     return onednn

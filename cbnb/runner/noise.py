@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_kernels
+from .cpu import cpu_kernels
 
 __all__ = ["gumbel_noise", "row_key"]
 

@@ -140,13 +140,13 @@ def sum_keys(start: int, n: int, window: int | None) -> int:
 
 
 def pad_to_interval(n: int, interval: int, cap: int | None = None) -> int:
-    """`cbnb.runner.graphs.pad_to_interval` (same arithmetic, torch-free): n up to a multiple, 0 -> one interval."""
+    """`cbnb.runner.cuda.graphs.pad_to_interval` (same arithmetic, torch-free): n up to a multiple, 0 -> one interval."""
     p = max(1, -(-n // interval)) * interval
     return max(n, min(p, cap)) if cap is not None else p
 
 
 def next_pow2(n: int, cap: int | None = None) -> int:
-    """`cbnb.runner.graphs.next_pow2` (torch-free): the smallest power of two >= max(n, 1), capped, never below n."""
+    """`cbnb.runner.cuda.graphs.next_pow2` (torch-free): the smallest power of two >= max(n, 1), capped, never below n."""
     p = 1 << max(0, (max(n, 1) - 1).bit_length())
     return max(n, min(p, cap)) if cap is not None else p
 

@@ -80,12 +80,12 @@ class HardwareProfile:
         past_attention_call_s: fixed seconds of such a call.
         decode_kernel_bandwidth: effective rate (bytes the cost model counts per second: each decode row's K/V, query,
             output and new K/V, `cbnb.sim.cost.decode_kernel_bytes`) of the CPU runner's compiled paged-decode kernel
-            (`cbnb.runner.cpu_kernels`, float32 only), which computes every decode row of a layer in one call reading
+            (`cbnb.runner.cpu.cpu_kernels`, float32 only), which computes every decode row of a layer in one call reading
             the pages in place; None: the kernel is not modelled (the runner's torch path: per-row calls and the
             page gather).
         decode_kernel_call_s: fixed seconds of one call of that kernel (one per layer) beyond its bytes.
         prefill_kernel_flops: FLOP/s (causal: ``4 H d`` per query-key pair read) of the CPU runner's compiled
-            prefill kernel (`cbnb.runner.cpu_kernels.paged_prefill`, float32 only), which computes every prefill chunk
+            prefill kernel (`cbnb.runner.cpu.cpu_kernels.paged_prefill`, float32 only), which computes every prefill chunk
             of a full-attention layer in one call over the pages; a layer's chunks cost ``prefill_kernel_call_s +
             FLOPs / prefill_kernel_flops``. None: not modelled (the per-chunk torch path: `attention_flops` and the
             `past_attention_*` figures).

@@ -251,7 +251,7 @@ class ModelShape:
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the linear layers' weights (every decoder projection and the LM head, biases excluded): what the
-        CPU runner keeps a second, packed copy of (`cbnb.runner.cpu_linear`)."""
+        CPU runner keeps a second, packed copy of (`cbnb.runner.cpu.cpu_linear`)."""
         h, d, H, Hkv, i = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
         per_layer = h * H * d + 2 * h * Hkv * d + H * d * h + 3 * h * i
         return (self.num_layers * per_layer + self.vocab_size * h) * self.itemsize

@@ -204,7 +204,7 @@ def test_gemm_probe_counts_the_model_shapes():
     assert body["flops"] == 2 * 7 * cost.body_params
     assert full["flops"] == 2 * 7 * (cost.body_params + cost.head[0] * cost.head[1])
     assert body["flops_per_s"] == pytest.approx(body["flops"] / body["seconds"])
-    from cbnb.runner import cpu_linear
+    from cbnb.runner.cpu import cpu_linear
 
     # the floor takes the fastest of F.linear, the runner's own oneDNN linear and that linear over fused weights
     impls = ("F.linear",) + (("oneDNN",) if cpu_linear.available() else ()) \

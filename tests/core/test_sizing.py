@@ -16,7 +16,7 @@ import cbnb  # noqa: E402
 from cbnb.core.cache.layout import layout_for, model_kv_spec  # noqa: E402
 from cbnb.core.cache.sizing import GiB, graph_bytes, plan_cache  # noqa: E402
 from cbnb.engine.models import shape_config  # noqa: E402
-from cbnb.runner.cuda_runner import CudaModelRunner  # noqa: E402
+from cbnb.runner.cuda.cuda_runner import CudaModelRunner  # noqa: E402
 
 from helpers_engine import config, tiny_model  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_runner_static_logits_match_the_sizing():
     model = tiny_model("tiny:llama")
     eng = cbnb.Engine(model, config=config(page_size=16, num_blocks=32, max_batch_tokens=64,
                                            max_requests_per_batch=16))
-    r = CudaModelRunner(eng.model, eng.cache, eng.store, attention="torch")
+    r = CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, attention="torch")
     r.configure(eng.config, use_cuda_graph=True, use_async_batching=True)
     a = eng.store.layout.itemsize
     vocab = eng._builder.spec["vocab_size"]
@@ -93,7 +93,7 @@ def test_engine_and_simulator_size_through_one_path(monkeypatch):
     # the same model and config, they size the same cache, CUDA-graph memory included on a GPU.
     from cbnb.engine import build
     from cbnb.core.cache.sizing import plan_memory
-    from cbnb.runner import cpu_linear
+    from cbnb.runner.cpu import cpu_linear
     from cbnb.sim import HardwareProfile, SimEngine, load_shape
 
     model = tiny_model("tiny:llama")
@@ -106,7 +106,7 @@ def test_engine_and_simulator_size_through_one_path(monkeypatch):
     monkeypatch.setattr(build, "plan_memory", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = config(page_size=16, max_batch_tokens=64, cpu_offload_space=0)
     resolved, mp, swap = eng.plan_memory(cfg)
-    # the CPU runner's packed weight copies (cbnb.runner.cpu_linear) are set aside before sizing, in both
+    # the CPU runner's packed weight copies (cbnb.runner.cpu.cpu_linear) are set aside before sizing, in both
     packed = cpu_linear.bytes_to_pack(model)
     assert packed == (load_shape(model.config, dtype="float32").linear_weight_bytes() if cpu_linear.packing() else 0)
     assert calls and calls[0]["free_bytes"] == free - packed and calls[0]["device_type"] == "cpu"

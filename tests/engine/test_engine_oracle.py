@@ -4,7 +4,7 @@ Every test checks token equality against the per-request oracle *and* that the c
 names (a prompt split into chunks, prefix hits, swaps, soft resets), so a config that silently degenerates into the
 easy path fails. After every run the cache must be empty and its invariants hold.
 
-The whole module runs twice: with the fast path (the compiled CPU decode-attention kernel, `cbnb.runner.cpu_kernels`;
+The whole module runs twice: with the fast path (the compiled CPU decode-attention kernel, `cbnb.runner.cpu.cpu_kernels`;
 every engine run must then have called it) and with the torch attention path (``CBNB_CPU_KERNELS=0``).
 """
 
@@ -14,7 +14,8 @@ import pytest
 
 import cbnb
 from cbnb.core.requests import RequestState
-from cbnb.runner import cpu_kernels, model_runner
+from cbnb.runner.cpu import cpu_kernels
+from cbnb.runner import model_runner
 
 from helpers_engine import (
     SHARING_MODELS, STD_NEW, STD_PROMPTS, TIMEOUT, TINY_MODELS, WINDOW, StepRecorder, assert_cache_empty, config,

@@ -152,14 +152,14 @@ def test_an_engine_without_a_tokenizer_refuses_grammars():
 
 # ------------------------------------------------------------------------------------------------ runners, masks
 def _tiny_engine(async_mode: bool, **cfg):
-    from cbnb.runner.cuda_runner import CudaModelRunner
+    from cbnb.runner.cuda.cuda_runner import CudaModelRunner
 
     from helpers_server import byte_tokenizer
 
     engine = cbnb.Engine(tiny_model("tiny:llama"), tokenizer=byte_tokenizer(),
                          config=cbnb.ContinuousBatchingConfig(page_size=16, num_blocks=128, **cfg))
     if async_mode:  # the CUDA runner on CPU (fake graphs) with async batching: the double-buffered loop
-        runner = CudaModelRunner(engine.model, engine.cache, engine.store, seed=engine.config.seed,
+        runner = CudaModelRunner(engine.model, engine.cache.geometry(), engine.store, seed=engine.config.seed,
                                  attention="torch")
         runner.configure(engine.config, use_cuda_graph=True, use_async_batching=True)
         assert runner.async_mode

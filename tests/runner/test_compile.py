@@ -11,7 +11,7 @@ import torch
 
 import cbnb
 from cbnb.core.requests import RequestState
-from cbnb.runner.compiled import compile_kwargs, resolve_compile_configs
+from cbnb.runner.cpu.compiled import compile_kwargs, resolve_compile_configs
 
 from helpers_engine import STD_PROMPTS, StepRecorder, config, oracle_for, results, submit_together, tiny_model
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import cbnb
-from cbnb.runner import cpu_kernels
+from cbnb.runner.cpu import cpu_kernels
 
 from helpers_engine import STD_PROMPTS, config, oracle_for, results, submit_together, tiny_model
 

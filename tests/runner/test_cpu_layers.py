@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import cbnb
-from cbnb.runner import cpu_layers, layer_ops
+from cbnb.runner.cpu import cpu_layers, layer_ops
 
 from helpers_engine import STD_PROMPTS, config, oracle_for, results, submit_together, tiny_model
 

@@ -1,4 +1,4 @@
-"""The CUDA path's environment checks (`cbnb.runner.device_checks`): the 1-element Triton launch (under Triton's
+"""The CUDA path's environment checks (`cbnb.runner.cuda.device_checks`): the 1-element Triton launch (under Triton's
 interpreter here), the attention fallback it drives, and the sync-debug guard."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cbnb.runner import device_checks as dc  # noqa: E402
+from cbnb.runner.cuda import device_checks as dc  # noqa: E402
 
 
 def test_triton_launch_check_runs_a_kernel(monkeypatch):

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cbnb.runner import triton_attention as ta  # noqa: E402
+from cbnb.runner.cuda import triton_attention as ta  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason=f"triton is not importable: {ta.TRITON_ERROR}")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
 
 import cbnb  # noqa: E402
 from cbnb.core.requests import Request, RequestState, SamplingParams  # noqa: E402
-from cbnb.runner import graphs as gr  # noqa: E402
-from cbnb.runner import triton_attention as ta  # noqa: E402
-from cbnb.runner.cuda_runner import CudaModelRunner  # noqa: E402
+from cbnb.runner.cuda import graphs as gr  # noqa: E402
+from cbnb.runner.cuda import triton_attention as ta  # noqa: E402
+from cbnb.runner.cuda.cuda_runner import CudaModelRunner  # noqa: E402
 from cbnb.runner.factory import make_runner, runner_kind  # noqa: E402
 from cbnb.runner.model_runner import ModelRunner  # noqa: E402
 
@@ -42,7 +42,8 @@ def _one_thread():
 def gpu_engine(model, cfg, *, graphs=True, async_=True, attention="torch", **runner_kw):
     """An engine whose runner is the CUDA runner on CPU (fake graphs)."""
     eng = cbnb.Engine(model, config=cfg)
-    r = CudaModelRunner(eng.model, eng.cache, eng.store, seed=eng.config.seed, attention=attention, **runner_kw)
+    r = CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, seed=eng.config.seed, attention=attention,
+                        **runner_kw)
     r.configure(eng.config, use_cuda_graph=graphs, use_async_batching=async_)
     eng.runner = r
     return eng, r
@@ -239,7 +240,7 @@ def test_sync_debug_covers_every_step_but_captures(monkeypatch):
     # except a step that captures a graph (capturing synchronises by design).
     import contextlib
 
-    from cbnb.runner import cuda_runner as cr
+    from cbnb.runner.cuda import cuda_runner as cr
 
     modes = []
 
@@ -268,7 +269,7 @@ def test_graph_support_rules():
 def test_runner_disables_graphs_and_async_where_unsupported():
     model = tiny_model("tiny:llama")
     eng = cbnb.Engine(model, config=config(page_size=16, num_blocks=32))
-    r = CudaModelRunner(eng.model, eng.cache, eng.store, attention="torch")
+    r = CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, attention="torch")
     r.configure(eng.config)  # resolved for CPU: graphs off, async off
     assert (r.graph_varlen, r.graph_decode, r.async_mode) == (False, False, False)
     r.configure(eng.config, use_cuda_graph=False, use_async_batching=True)
@@ -276,7 +277,7 @@ def test_runner_disables_graphs_and_async_where_unsupported():
     r.configure(eng.config, use_cuda_graph=(False, True), use_async_batching=True)
     assert (r.graph_varlen, r.graph_decode, r.async_mode, len(r.pairs)) == (False, True, True, 2)
     with pytest.raises(ValueError):
-        CudaModelRunner(eng.model, eng.cache, eng.store, backend="cuda")  # real graphs need a CUDA store
+        CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, backend="cuda")  # real graphs need a CUDA store
 
 
 def test_factory_picks_cuda_runner_on_cuda_store(monkeypatch):
@@ -288,7 +289,7 @@ def test_factory_picks_cuda_runner_on_cuda_store(monkeypatch):
     assert runner_kind("cuda") == "cpu"
     monkeypatch.setenv("CBNB_CUDA_RUNNER", "fake")
     assert runner_kind("cpu") == "cuda"
-    r = make_runner(model, eng.cache, eng.store, attention="torch")  # the CUDA runner on CPU: fake graphs
+    r = make_runner(model, eng.cache.geometry(), eng.store, attention="torch")  # the CUDA runner on CPU: fake graphs
     assert type(r) is CudaModelRunner and r.backend_kind == "fake"
 
 
@@ -547,7 +548,7 @@ def test_precapture_presets_then_serving_hits_them():
     cfg = config(page_size=16, num_blocks=64, max_batch_tokens=32, max_requests_per_batch=8,
                  q_padding_interval_size=8, kv_padding_interval_size=64)
     eng = cbnb.Engine(tiny_model(name), config=cfg)
-    r = CudaModelRunner(eng.model, eng.cache, eng.store, attention="torch")
+    r = CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, attention="torch")
     r.precapture = True
     before = eng.store.buffer.clone()
     r.configure(eng.config, use_cuda_graph=True, use_async_batching=True)

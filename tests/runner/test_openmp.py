@@ -1,4 +1,4 @@
-"""`cbnb.runner.openmp`: a thread's idle OpenMP pool is released in the calling thread, and the engine does it for
+"""`cbnb.runner.cpu.openmp`: a thread's idle OpenMP pool is released in the calling thread, and the engine does it for
 the thread that submits (the slowdown it prevents is measured in the module docstring, never in a test)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent("""
     import os, json
     import torch
     torch.set_num_threads(2)
-    from cbnb.runner.openmp import release_caller_threads
+    from cbnb.runner.cpu.openmp import release_caller_threads
 
     def threads():
         return len(os.listdir("/proc/self/task"))
@@ -70,7 +70,7 @@ def test_release_frees_the_callers_pool_and_submit_does_it_for_the_caller():
 
 
 def test_release_can_be_turned_off(monkeypatch):
-    from cbnb.runner import openmp
+    from cbnb.runner.cpu import openmp
 
     monkeypatch.setenv("CBNB_OMP_RELEASE", "0")
     assert openmp.release_caller_threads() is False

@@ -12,7 +12,8 @@ import torch
 
 from cbnb.core.requests import SamplingParams
 from cbnb.runner import sampling as sm
-from cbnb.runner import cpu_kernels, noise
+from cbnb.runner.cpu import cpu_kernels
+from cbnb.runner import noise
 from cbnb.runner.sampling import Sampler, gumbel_noise, row_key
 
 NEG = float("-inf")
@@ -71,7 +72,7 @@ PARAMS = [dict(top_p=0.9), dict(top_p=0.3), dict(top_p=1e-6), dict(top_p=1.0), d
 @pytest.mark.parametrize("c_pass", [True, False], ids=["c_pass", "torch_passes"])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 1000), (7, 50257), (40, 4096)])
 def test_int32_noise_equals_the_int64_definition(monkeypatch, shape, c_pass):
-    # The CPU fast path hashes in C (cbnb/runner/noise.c); with it off, int32 torch passes: both are the definition.
+    # The CPU fast path hashes in C (cbnb/runner/cpu/noise.c); with it off, int32 torch passes: both are the definition.
     monkeypatch.setenv("CBNB_CPU_KERNELS", "1" if c_pass else "0")
     calls = []
     real = noise._c_uniform

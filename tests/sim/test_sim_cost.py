@@ -140,7 +140,7 @@ def test_sum_keys_matches_brute_force():
 
 
 def test_padding_is_the_cuda_runners():
-    gr = pytest.importorskip("cbnb.runner.graphs")
+    gr = pytest.importorskip("cbnb.runner.cuda.graphs")
     for n in range(0, 300, 7):
         for interval in (1, 16, 64):
             for cap in (None, 100, 512):

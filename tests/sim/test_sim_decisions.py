@@ -65,9 +65,9 @@ def key_tree(d):
 def run_real(name: str, cfg, prompts, n, async_: bool = False):
     eng = cbnb.Engine(tiny_model(name), config=cfg)
     if async_:
-        from cbnb.runner.cuda_runner import CudaModelRunner
+        from cbnb.runner.cuda.cuda_runner import CudaModelRunner
 
-        r = CudaModelRunner(eng.model, eng.cache, eng.store, seed=eng.config.seed, attention="torch")
+        r = CudaModelRunner(eng.model, eng.cache.geometry(), eng.store, seed=eng.config.seed, attention="torch")
         r.configure(eng.config, use_cuda_graph=True, use_async_batching=True)
         assert r.async_mode
         eng.runner = r

@@ -18,11 +18,13 @@ FACTS = {
     "gemma3-270m": (18, 640, 2048, 4, 1, 256, 262144, True, 3, 512),
     "qwen3-0.6b": (28, 1024, 3072, 16, 8, 128, 151936, True, 28, None),
     "llama-3.1-8b": (32, 4096, 14336, 32, 8, 128, 128256, False, 32, None),
+    "llama-3.1-70b": (80, 8192, 28672, 64, 8, 128, 128256, False, 80, None),
     "qwen3-32b": (64, 5120, 25600, 64, 8, 128, 151936, False, 64, None),
     "gemma-3-27b": (62, 5376, 21504, 32, 16, 128, 262208, True, 10, 1024),
 }
 # Parameter counts (billions, 2 decimals) as the model cards state them; gemma-3-27b is the text model only.
-PARAMS_B = {"smollm2-135m": 0.13, "gemma3-270m": 0.27, "qwen3-0.6b": 0.60, "llama-3.1-8b": 8.03, "qwen3-32b": 32.76,
+PARAMS_B = {"smollm2-135m": 0.13, "gemma3-270m": 0.27, "qwen3-0.6b": 0.60, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55,
+            "qwen3-32b": 32.76,
             "gemma-3-27b": 27.01}
 
 

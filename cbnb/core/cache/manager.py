@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..plan import KVGroup, RowKV, StepKV
+from ..plan import KVGeometry, KVGroup, RowKV, StepKV
 from ..requests import Request
 from .allocators import BlockAllocator, FullAttentionCacheAllocator, ceil_div, make_allocator
 from .layout import FULL, SLIDING, KVLayout
@@ -419,6 +419,11 @@ class CacheManager:
             self._kv_groups = [KVGroup(int(getattr(a, "window", 0) or 0), a.read_padding_block, a.write_padding_block)
                                for a in self.allocators]
         return self._kv_groups
+
+    def geometry(self) -> KVGeometry:
+        """The fixed geometry a runner is built from (`cbnb.core.plan.KVGeometry`): page size, layer groups,
+        capacity in tokens; plain data, so that no runner reads this manager."""
+        return KVGeometry(self.page_size, tuple(self.kv_groups()), self.capacity_tokens)
 
     def step_kv(self, scheduled: list[Any]) -> StepKV:
         """What the runner needs to know about the KV of a planned step's rows (`cbnb.core.plan.StepKV`), so that it

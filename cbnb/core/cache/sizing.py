@@ -17,7 +17,7 @@ cbnb's backends, which build no attention masks and keep no read-index buffers:
 converted to sectors with transformers' rule (`num_blocks * num_layers * bytes_per_page`, rounded up to whole
 sectors) and only refused when the footprint exceeds *all* free memory (not just the percentage).
 
-CUDA graphs (`graph_bytes`; cbnb's CUDA runner, `cbnb.runner.cuda_runner`): every graph of an IO pair writes its
+CUDA graphs (`graph_bytes`; cbnb's CUDA runner, `cbnb.runner.cuda.cuda_runner`): every graph of an IO pair writes its
 kept logits rows into that pair's one static buffer (`R` = `max_requests_per_batch` rows in the model dtype, one per
 pair: 2 with async batching), and all graphs share one private memory pool, which holds the largest graph's
 activations (`G` = `max_batch_tokens` tokens with varlen graphs, else `R`) and its transient logits (`R` rows) apart
@@ -48,7 +48,7 @@ class MemoryPlan:
         logits_bytes: fp32 logits for `max_requests_per_batch` rows.
         graph_bytes: what CUDA graphs hold beyond that (static logits buffers and the graph pool; 0 without).
         weight_bytes: the model's parameters and buffers.
-        packed_weight_bytes: the CPU runner's packed copies of the linear weights (`cbnb.runner.cpu_linear`; 0
+        packed_weight_bytes: the CPU runner's packed copies of the linear weights (`cbnb.runner.cpu.cpu_linear`; 0
             elsewhere), set aside before sizing.
         free_bytes: free memory measured before sizing.
         budget_bytes: `free_bytes * max_memory_percent`.

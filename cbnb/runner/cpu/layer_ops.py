@@ -1,4 +1,4 @@
-"""CPU layer ops in C (`layer_ops.c`) for the runner's decoder-layer forward (`cbnb.runner.cpu_layers`): rotary
+"""CPU layer ops in C (`layer_ops.c`) for the runner's decoder-layer forward (`cbnb.runner.cpu.cpu_layers`): rotary
 embedding of q and k, the K/V write into the cache's rows, RMSNorm with the residual add fused in, SiLU * up.
 
 Why: in eager torch each is several ATen ops (transformers' rotary about 16 on strided ``[1, H, T, D]`` views,
@@ -10,7 +10,7 @@ Numbers: the rotary (its products and sum rounded as torch rounds them: built wi
 residual add and the K/V write give the same bits as the torch code they replace; RMSNorm (another summation order)
 and SiLU (its own exp, `cbnb_exp.h`) agree with torch to float32 rounding, like the decode kernel.
 
-Built like the decode kernel (`cbnb.runner.cpu_kernels.build_library`); ``CBNB_CPU_KERNELS=0`` turns them off with
+Built like the decode kernel (`cbnb.runner.cpu.cpu_kernels.build_library`); ``CBNB_CPU_KERNELS=0`` turns them off with
 the rest of the CPU fast path, and without a compiler `available()` is False (with one warning) and the runner
 keeps transformers' forward.
 """

@@ -1,8 +1,8 @@
 """Paged attention for the CUDA runner: Triton kernels that read the KV pages in place, and their PyTorch references.
 
 Everything here works on one layer of one step, over *static* metadata tensors (int32, on the device) that the CUDA
-runner packs once per step (`cbnb.runner.cuda_runner`). Nothing is gathered from the whole cache and no mask is built:
-each program reads only the pages of its own request through the block table.
+runner packs once per step (`cbnb.runner.cuda.cuda_runner`). Nothing is gathered from the whole cache and no mask is
+built: each program reads only the pages of its own request through the block table.
 
 Metadata (per step; ``R`` sequence slots, ``T`` query rows, padded slots have ``q_len == 0``):
 

@@ -4,15 +4,17 @@ padded shape, and async double-buffered batching.
 One step (`launch` then `collect`; `execute` does both):
 
 1. **copies**: swap-outs, then restores, on the compute stream (same order as the CPU runner);
-2. **prepare** (host, numpy): the step's metadata is packed into the current IO pair's pinned int32 buffer
-   (`cbnb.runner.graphs.MetaLayout`): token ids, positions, carry-over indices, logits rows, per-request query
-   start/length/past, the decode list and the prefill work list, and per layer group the write slots and block tables;
+2. **prepare** (host, numpy; the row packers of `cbnb.runner.cuda.packing`): the step's metadata is packed into the
+   current IO pair's pinned int32 buffer (`cbnb.runner.cuda.graphs.MetaLayout`): token ids, positions, carry-over
+   indices, logits rows, per-request query start/length/past, the decode list and the prefill work list, and per
+   layer group the write slots and block tables;
 3. **H2D**: one copy of the used prefix of that buffer to its device twin, on the H2D stream (an event orders it
    before the compute);
-4. **compute** on the compute stream: the model forward with attention implementation "cbnb_cuda" (this module's
-   `cuda_attention_forward`, which calls `cbnb.runner.triton_attention.paged_attention` per layer) and the greedy
-   argmax into the pair's static output. With graphs, the forward is captured once per padded shape (`GraphCache`) and
-   replayed; rows that sample (``do_sample``) are drawn eagerly after the replay, on the device, without host syncs;
+4. **compute** on the compute stream: the model forward with attention implementation "cbnb_cuda"
+   (`cbnb.runner.cuda.attention`, which calls `cbnb.runner.cuda.triton_attention.paged_attention` per layer) and the
+   greedy argmax into the pair's static output. With graphs, the forward is captured once per padded shape
+   (`GraphCache`) and replayed; rows that sample (``do_sample``) are drawn eagerly after the replay, on the device,
+   without host syncs;
 5. **D2H**: the sampled ids are copied to pinned host memory on the D2H stream; `collect` waits on that event.
 
 **Async batching** (two IO pairs, `async_mode`): the engine schedules and launches step N+1 before it collects and
@@ -32,132 +34,40 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..core.cache.manager import CacheManager
-from ..core.plan import StepKV, StepResult, StepWork
-from .attention import paged_attention_forward, register as register_cpu_attention
+from ...core.plan import KVGeometry, StepKV, StepWork
+from ..kv import KVStore
+from ..model_runner import ModelRunner
+from ..sampling import unpack
+from .attention import CUDA_ATTN_NAME, CudaStepBatch, register_cuda_attention
+from .capture import StartupCaptures, shape_planner
 from .device_checks import pick_attention, sync_debug
-from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, ShapePlanner, StepShape,
-                     cdiv, graph_support, maybe_stream)
-from .kv import KVStore
-from .model_runner import ModelRunner
-from .sampling import unpack
-from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config, num_decode_splits, paged_attention
+from .graphs import (CudaGraphBackend, FakeGraphBackend, GraphCache, IOPair, MetaLayout, StepShape, graph_support,
+                     maybe_stream)
+from .packing import RowPacker, step_shape
+from .records import CudaStepResult, _Launched
+from .triton_attention import HAS_TRITON, TRITON_ERROR, kernel_config
 
 __all__ = ["CUDA_ATTN_NAME", "CudaModelRunner", "CudaStepBatch", "CudaStepResult", "register_cuda_attention"]
 
-CUDA_ATTN_NAME = "cbnb_cuda"
-_registered = False
-
-
-# ------------------------------------------------------------------------------------------------ attention hook
-class CudaStepBatch:
-    """What each attention layer of a CUDA-runner forward needs (passed as the `cbnb_batch` keyword).
-
-    Attributes:
-        meta: step metadata (device int32 tensors ``q_start``, ``q_len``, ``past``, ``dec_seq``, ``tile_seq``,
-            ``tile_m0`` and flags ``has_prefill``, ``has_decode``).
-        groups: per layer group, ``slots``, ``table``, ``window`` (0: full attention) and ``num_splits``.
-        layer_group: layer -> (group, index in group); store: the `KVStore`; impl: "triton" or "torch".
-    """
-
-    def __init__(self, meta: Any, groups: list[Any], layer_group: list[tuple[int, int]], store: KVStore,
-                 impl: str) -> None:
-        self.meta = meta
-        self.groups = groups
-        self.layer_group = layer_group
-        self.store = store
-        self.impl = impl
-
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
-        """One layer: query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
-        layer = module.layer_idx
-        g = self.layer_group[layer][0]
-        q = query[0].transpose(0, 1)
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = paged_attention(q, k, v, self.store.k[layer], self.store.v[layer], self.meta, self.groups[g], scale,
-                              self.impl)
-        return out.unsqueeze(0)
-
-
-def cuda_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """"cbnb_cuda" attention: a `CudaStepBatch` goes to the paged kernels; anything else to "cbnb_paged" (which
-    falls back to sdpa without a batch, e.g. a plain ``model.generate`` while an engine holds the model)."""
-    batch = kwargs.get("cbnb_batch")
-    if isinstance(batch, CudaStepBatch):
-        if kwargs.get("softcap") is not None:
-            raise NotImplementedError("cbnb_cuda attention does not support attention-logit soft-capping")
-        return batch.attend(module, query, key, value, scaling), None
-    return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                   **kwargs)
-
-
-def register_cuda_attention() -> None:
-    """Register "cbnb_cuda" (attention and sdpa's mask function, as "cbnb_paged" does). Idempotent."""
-    global _registered
-    if _registered:
-        return
-    register_cpu_attention()
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(CUDA_ATTN_NAME, cuda_attention_forward)
-    AttentionMaskInterface.register(CUDA_ATTN_NAME, sdpa_mask)
-    _registered = True
-
-
-# ------------------------------------------------------------------------------------------------ results
-@dataclass
-class CudaStepResult(StepResult):
-    """`StepResult` plus graph telemetry: this step's (captures, replays, failed captures), the backend name,
-    captured keys, failed captures as (key, error message), and (when profiling) the GPU time of the step."""
-
-    graph_counts: tuple[int, int, int] = (0, 0, 0)
-    gpu_ms: float | None = None
-
-
-@dataclass
-class _Launched:
-    work: StepWork
-    pair: IOPair | None
-    entries: list[Any]
-    timings: dict[str, float]
-    copied: int
-    shape: StepShape | None = None
-    graph: bool = False
-    captured: tuple | None = None
-    failed: list[Any] = field(default_factory=list)
-    events: tuple | None = None
-    kv_bytes: int = 0
-    t_launch: float = 0.0
-    report_columns: int = 1
-    max_logprobs: int = 0
-
 
 # ------------------------------------------------------------------------------------------------ the runner
-class CudaModelRunner(ModelRunner):
+class CudaModelRunner(StartupCaptures, ModelRunner):
     """The runner used when the KV store is on a CUDA device (`cbnb.runner.factory.make_runner` picks it), or
     explicitly in tests.
 
     Args:
-        model, cache, store, seed: as `ModelRunner`.
+        model, geometry, store, seed: as `ModelRunner`.
         config: a resolved `ContinuousBatchingConfig`; may also be given later with `configure` (the engine loop
             configures an unconfigured runner with `engine.config` before its first step).
         backend: "cuda" (real graphs and streams) or "fake" (CPU stand-in); default: "cuda" on CUDA, else "fake".
-        attention: "triton" (kernels) or "torch" (the references); default (`cbnb.runner.device_checks.pick_attention`):
-            "triton" on CUDA when a 1-element Triton kernel launches, else "torch" with the reason in
-            ``describe()["attention_reason"]``; the environment variable ``CBNB_ATTENTION`` forces one.
+        attention: "triton" (kernels) or "torch" (the references); default
+            (`cbnb.runner.cuda.device_checks.pick_attention`): "triton" on CUDA when a 1-element Triton kernel
+            launches, else "torch" with the reason in ``describe()["attention_reason"]``; the environment variable ``CBNB_ATTENTION`` forces one.
         num_sms: multiprocessors used to pick decode splits (default: the device's, 132 off CUDA).
 
     ``CBNB_SYNC_DEBUG=warn|error`` runs every step's queueing (H2D, forward or replay, sampling, D2H) under
@@ -167,10 +77,10 @@ class CudaModelRunner(ModelRunner):
     attention_name = CUDA_ATTN_NAME
     supports_prompt_logprobs = False  # its graphs and async steps keep only the sampling rows' logits
 
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, store: KVStore, seed: int | None = None,
+    def __init__(self, model: torch.nn.Module, geometry: KVGeometry, store: KVStore, seed: int | None = None,
                  config: Any = None, *, backend: str | None = None, attention: str | None = None,
                  num_sms: int | None = None) -> None:
-        super().__init__(model, cache, store, seed)
+        super().__init__(model, geometry, store, seed)
         register_cuda_attention()
         cuda = self.device.type == "cuda"
         self.backend_kind = backend or ("cuda" if cuda else "fake")
@@ -193,10 +103,10 @@ class CudaModelRunner(ModelRunner):
         lay = store.layout
         self.page_size = lay.page_size
         # The fixed geometry, read once (plain data); every step's tables and slots come with its `StepWork.kv`.
-        kv_groups = cache.kv_groups()
+        kv_groups = geometry.groups
         self.windows = [g.window for g in kv_groups]
         self.trash = [int(g.write_padding_block) * lay.page_size for g in kv_groups]
-        self.capacity_tokens = cache.capacity_tokens
+        self.capacity_tokens = geometry.capacity_tokens
         self.kcfg = kernel_config(lay.head_dim)
         self.bytes_per_token_layer = lay.bytes_per_token_per_layer
         self.layers_per_group = [len(g.layers) for g in lay.groups]
@@ -253,22 +163,8 @@ class CudaModelRunner(ModelRunner):
         self.async_mode = want_async and (self.graph_varlen or self.graph_decode)
         self.async_reason = "" if self.async_mode else (
             "disabled by config" if not want_async else "async batching requires CUDA graphs")
-        q_int = config.q_padding_interval_size or 64
-        kv_int = config.kv_padding_interval_size or 16384
-        max_pos = self.model.config.get_text_config().max_position_embeddings if hasattr(
-            self.model.config, "get_text_config") else getattr(self.model.config, "max_position_embeddings", None)
-        caps = []
-        if any(w == 0 for w in self.windows):
-            caps.append(self.capacity_tokens)
-        if max_pos:
-            caps.append(int(max_pos))
-        kv_cap = min(caps) if caps else 1 << 30
-        kv_cap = cdiv(kv_cap, self.page_size) * self.page_size
-        self.planner = ShapePlanner(q_interval=q_int, kv_interval=kv_int, max_tokens=int(config.max_batch_tokens),
-                                    max_seqs=int(config.max_requests_per_batch), kv_cap=kv_cap,
-                                    page_size=self.page_size, windows=self.windows,
-                                    num_kv_heads=self.store.layout.num_kv_heads, num_sms=self.num_sms,
-                                    block_m=self.kcfg.prefill_m, split_fn=num_decode_splits)
+        self.planner = shape_planner(config, self.model, self.windows, self.capacity_tokens, self.page_size,
+                                     self.store.layout.num_kv_heads, self.num_sms, self.kcfg.prefill_m)
         biggest = MetaLayout.for_shape(self.planner.max_shape())
         self.pairs = [IOPair(i, biggest.total, self.planner.max_seqs, self.device)
                       for i in range(2 if self.async_mode else 1)]
@@ -284,59 +180,6 @@ class CudaModelRunner(ModelRunner):
         self.precaptured = 0
         if self.precapture and (self.graph_varlen or self.graph_decode):
             self.precaptured = self.capture_presets()
-
-    def preset_shapes(self, max_decode: int | None = None) -> list[StepShape]:
-        """The shapes captured at start-up (transformers' warm-up set): decode steps of 1, 2, 4, ... requests up to
-        ``max_requests_per_batch`` (or `max_decode`), and a full varlen step, all at the first KV bucket."""
-        if not self.configured:
-            raise RuntimeError("configure() first")
-        pl = self.planner
-        kv = min(pl.kv_interval, pl.kv_cap)
-        out = []
-        if self.graph_decode:
-            top = min(pl.max_seqs, max_decode or pl.max_seqs)
-            n = 1
-            while True:
-                out.append(pl.plan(num_tokens=n, num_seqs=n, max_kv=kv, decode_only=True, pad=True))
-                if n >= top:
-                    break
-                n = min(2 * n, top)
-        if self.graph_varlen:
-            out.append(pl.plan(num_tokens=pl.max_tokens, num_seqs=1, max_kv=kv, decode_only=False, pad=True))
-        return out
-
-    @torch.inference_mode()
-    def capture_presets(self, max_decode: int | None = None) -> int:
-        """Capture the `preset_shapes` for every IO pair before the first step (so captures do not stall serving).
-        Uses neutral metadata only: the real cache is never touched. Returns the number of graphs captured."""
-        n = 0
-        was_active = self._previous_impl is not None
-        if not was_active:
-            self.activate()  # the captured forward must route attention through "cbnb_cuda"
-        try:
-            n = self._capture_presets(max_decode)
-        finally:
-            if not was_active:
-                self.deactivate()
-        return n
-
-    def _capture_presets(self, max_decode: int | None) -> int:
-        n = 0
-        with maybe_stream(self.compute_stream):
-            for pair in self.pairs:
-                for shape in self.preset_shapes(max_decode):
-                    lay = self._layout(shape)
-                    key = (pair.index,) + shape.key
-                    if key in self.graphs:
-                        continue
-                    lay.fill_defaults(pair.host_np, self.trash)  # what `_warmup` restores: neutral as well
-                    if self.graph_capture(key, pair, shape, lay):
-                        n += 1
-                        self._pending_captures.append(key)
-                    self._pending_failures.extend(self.graphs.take_failures())
-        if self.compute_stream is not None:
-            self.compute_stream.synchronize()
-        return n
 
     def graph_capture(self, key: tuple, pair: IOPair, shape: StepShape, lay: MetaLayout) -> bool:
         return self.graphs.capture(key, lambda: self._forward(pair, shape, lay),
@@ -366,141 +209,22 @@ class CudaModelRunner(ModelRunner):
     def _prepare(self, pair: IOPair, entries: list[Any], kv: StepKV) -> tuple[StepShape, MetaLayout, dict[str, int],
                                                                            int]:
         """Pack the step into ``pair.host`` (numpy) from the plan's own KV data (`kv`: block tables and slots; the
-        cache manager is never read). Returns (shape, layout, request -> sample row, KV bytes read)."""
-        P = self.page_size
+        cache manager is never read) with the row packers of `cbnb.runner.cuda.packing`. Returns (shape, layout,
+        request -> sample row, KV bytes read)."""
         bm = self.kcfg.prefill_m
-        n_seqs = len(entries)
-        num_tokens = 0
-        max_kv = 0
-        n_dec = 0
-        n_tiles = 0
-        for s in entries:
-            n = s.num_tokens
-            num_tokens += n
-            end = s.start + n
-            if end > max_kv:
-                max_kv = end
-            if n == 1:
-                n_dec += 1
-            else:
-                n_tiles += cdiv(n, bm)
-        decode_only = n_dec == n_seqs
-        pad = self.graph_decode if decode_only else self.graph_varlen
-        shape = self.planner.plan(num_tokens=num_tokens, num_seqs=n_seqs, max_kv=max_kv, decode_only=decode_only,
-                                  pad=pad, num_tiles=n_tiles, num_dec=n_dec)
+        shape = step_shape(entries, self.planner, bm, self.graph_decode, self.graph_varlen)
         lay = self._layout(shape)
         buf = pair.host_np
         lay.fill_defaults(buf, self.trash)
-        ids: list[int] = []
-        pos: list[int] = []
-        q_start: list[int] = []
-        q_len: list[int] = []
-        past: list[int] = []
-        dec: list[int] = []
-        tseq: list[int] = []
-        tm0: list[int] = []
-        lidx: list[int] = []
-        rows: dict[str, int] = {}
-        carry_at: list[int] = []
-        carry_row: list[int] = []
-        kv_rows = kv.rows
-        ng = len(kv.groups)
-        slots: list[list[int]] = [[] for _ in range(ng)]
-        tables = [lay.view(buf, f"table{g}") for g in range(ng)]
-        widths = shape.widths
-        prev = self._prev_rows
-        windows = self.windows
-        kv_tokens = [0] * ng
-        profile = self.profile
-        a = 0
+        packer = RowPacker(shape, lay, buf, kv, self.windows, bm, self._prev_rows, self.profile)
         for i, s in enumerate(entries):
-            req = s.request
-            rid = req.request_id
-            n = s.num_tokens
-            st = s.start
-            row_tables = kv_rows[rid].tables
-            if n == 1:  # decode fast path (same values as `Request.token_ids` / `write_slots`, inlined)
-                npr = len(req.prompt_ids)
-                if st < npr:
-                    tok = req.prompt_ids[st]
-                elif st < npr + len(req.output_ids):
-                    tok = req.output_ids[st - npr]
-                else:
-                    tok = -1
-                if tok < 0:
-                    row = prev.get(rid)
-                    if row is None:
-                        raise RuntimeError(f"request {rid!r}: unknown token at position {st} and no sample of the "
-                                           "previous step to carry over")
-                    carry_at.append(a)
-                    carry_row.append(row)
-                    tok = 0
-                ids.append(tok)
-                pos.append(st)
-                dec.append(i)
-                for g in range(ng):
-                    t = row_tables[g]
-                    win = windows[g]
-                    r = st % win if win else st
-                    slots[g].append(t[r // P] * P + r % P)
-                    w = widths[g]
-                    tables[g][i, :len(t)] = t if len(t) <= w else t[:w]
-                    if profile:
-                        kv_tokens[g] += min(st + 1, win) if win else st + 1
+            if s.num_tokens == 1:
+                packer.decode_row(i, s)
             else:
-                toks = req.token_ids(st, st + n)
-                if toks[-1] < 0:
-                    row = prev.get(rid)
-                    if row is None or min(toks[:-1]) < 0:
-                        raise RuntimeError(f"request {rid!r}: unknown token at position {st + n - 1} and no sample "
-                                           "of the previous step to carry over")
-                    carry_at.append(a + n - 1)
-                    carry_row.append(row)
-                    toks[-1] = 0
-                ids.extend(toks)
-                pos.extend(range(st, st + n))
-                for m0 in range(0, n, bm):
-                    tseq.append(i)
-                    tm0.append(m0)
-                row_slots = kv_rows[rid].write_slots
-                for g in range(ng):
-                    slots[g].extend(row_slots[g])
-                    t = row_tables[g]
-                    w = widths[g]
-                    tables[g][i, :len(t)] = t if len(t) <= w else t[:w]
-                    if profile:
-                        win = windows[g]
-                        kv_tokens[g] += min(st, win - 1) if win else st
-            q_start.append(a)
-            q_len.append(n)
-            past.append(st)
-            if s.samples:
-                rows[rid] = len(lidx)
-                lidx.append(a + n - 1)
-            a += n
-        lay.view(buf, "ids")[:a] = ids
-        lay.view(buf, "pos")[:a] = pos
-        if carry_at:
-            if not self.async_mode:
-                raise RuntimeError("a token of an unapplied step in synchronous mode (the engine applied steps out of "
-                                   "order)")
-            lay.view(buf, "carry")[carry_at] = carry_row
-            self.carried += len(carry_at)
-        lay.view(buf, "logits_idx")[:len(lidx)] = lidx
-        lay.view(buf, "q_start")[:n_seqs] = q_start
-        lay.view(buf, "q_len")[:n_seqs] = q_len
-        lay.view(buf, "past")[:n_seqs] = past
-        if dec:
-            lay.view(buf, "dec_seq")[:len(dec)] = dec
-        if tseq:
-            lay.view(buf, "tile_seq")[:len(tseq)] = tseq
-            lay.view(buf, "tile_m0")[:len(tm0)] = tm0
-        for g in range(ng):
-            sv = np.asarray(slots[g], dtype=np.int32)
-            sv[sv < 0] = self.trash[g]
-            lay.view(buf, f"slots{g}")[:a] = sv
-        kv_bytes = sum(kv_tokens[g] * self.layers_per_group[g] for g in range(ng)) * self.bytes_per_token_layer
-        return shape, lay, rows, kv_bytes
+                packer.chunk_row(i, s)
+        self.carried += packer.write(self.trash, self.async_mode)
+        kv_bytes = sum(t * n for t, n in zip(packer.kv_tokens, self.layers_per_group)) * self.bytes_per_token_layer
+        return shape, lay, packer.rows, kv_bytes
 
     # ---------------------------------------------------------------------------------------------- forward
     def _meta(self, pair: IOPair, shape: StepShape, lay: MetaLayout) -> tuple[dict[str, torch.Tensor], CudaStepBatch]:

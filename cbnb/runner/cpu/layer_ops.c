@@ -1,7 +1,7 @@
-/* cbnb's CPU layer ops, float32, for the runner's decoder-layer forward (cbnb.runner.cpu_layers): rotary embedding
+/* cbnb's CPU layer ops, float32, for the runner's decoder-layer forward (cbnb.runner.cpu.cpu_layers): rotary embedding
  * of q and k, the K/V write into the cache's token rows, RMSNorm (with the residual add fused in), SiLU * up.
  *
- * Built with -ffp-contract=off (cbnb.runner.cpu_kernels): the rotary's elements are rounded exactly as torch rounds
+ * Built with -ffp-contract=off (cbnb.runner.cpu.cpu_kernels): the rotary's elements are rounded exactly as torch rounds
  * `q * cos + rotate_half(q) * sin` (one product, the other product, their sum), the residual add and the K/V write
  * are exact, so those give the same bits as the torch code they replace. RMSNorm sums in another order than torch
  * and SiLU uses its own exp: those agree with torch to float32 rounding, not bit for bit. Plain C + OpenMP; the

@@ -4,9 +4,9 @@ Why: in eager torch, transformers' ``LlamaDecoderLayer`` runs about 60 ATen ops 
 is 7 ops twice, the rotary embedding about 16 on strided ``[1, H, T, D]`` views, the attention function transposes
 q back and copies it, the MLP's SiLU and product are two passes over the widest activation. On a 2-core CPU these
 cost more than their arithmetic: per 30 layers of SmolLM2, about 1.5 ms of rotary alone in a 32-row decode step and
-7 ms in a 512-token prefill step (2026-12-06, the project's EPYC; `cbnb.runner.layer_ops`). Here a layer is: RMSNorm
-(C), q/k/v (one GEMM, `cbnb.runner.cpu_linear`), rotary (C, writing q and k in the ``[T, H, D]`` layout the paged
-attention reads), the paged attention (`cbnb.runner.attention.paged_attention_forward`, called directly), o_proj,
+7 ms in a 512-token prefill step (2026-12-06, the project's EPYC; `cbnb.runner.cpu.layer_ops`). Here a layer is: RMSNorm
+(C), q/k/v (one GEMM, `cbnb.runner.cpu.cpu_linear`), rotary (C, writing q and k in the ``[T, H, D]`` layout the paged
+attention reads), the paged attention (`cbnb.runner.cpu.attention.paged_attention_forward`, called directly), o_proj,
 residual add + RMSNorm (one C pass), gate/up (one GEMM), SiLU * up (C), down_proj, residual add: what vLLM's model
 files do with its fused kernels.
 
@@ -46,7 +46,7 @@ def _attention(attn: torch.nn.Module, h: torch.Tensor, heads: tuple[int, int], c
                kwargs: dict[str, Any]) -> torch.Tensor:
     """o_proj(paged attention(rotary(q, k), v)) of the normed rows `h` ``[T, hidden]``; returns ``[T, hidden]``."""
     T = h.shape[0]
-    # The runner's linears: one fused GEMM; q, k and v are slices of its output (cbnb.runner.cpu_linear).
+    # The runner's linears: one fused GEMM; q, k and v are slices of its output (cbnb.runner.cpu.cpu_linear).
     q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
     q, k = layer_ops.rope_qk(q, k, cos, sin, heads[0], heads[1])  # [T, H, D], [T, Hkv, D]
     v = v.view(T, heads[1], -1)

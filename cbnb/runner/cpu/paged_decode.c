@@ -1,4 +1,4 @@
-/* cbnb: paged attention on CPU, float32 (built on first use by cbnb/runner/cpu_kernels.py): decode rows below,
+/* cbnb: paged attention on CPU, float32 (built on first use by cbnb/runner/cpu/cpu_kernels.py): decode rows below,
  * prefill chunks (causal) after them.
  *
  * One query token per decode row; its keys and values are read in place from the row's pages (no gather copy), and

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..core.sampling_params import MAX_LOGPROBS
+from ...core.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "pad_to_interval", "next_pow2", "cdiv", "StepShape", "ShapePlanner", "MetaLayout", "IOPair",

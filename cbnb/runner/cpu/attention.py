@@ -9,7 +9,7 @@ Per layer:
 1. "ring" prefill rows (sliding layers with a past) read their previous ``window - 1`` tokens first;
 2. every token's K/V is written into its page through the slot mapping (``k_pages[block, offset] = k``);
 3. decode rows attend over their own pages: with the CPU kernel, all of them in one call reading the pages in
-   place (`cbnb.runner.cpu_kernels`); otherwise in place when a row's keys fit one page, else in one batched call
+   place (`cbnb.runner.cpu.cpu_kernels`); otherwise in place when a row's keys fit one page, else in one batched call
    over gathered pages (padded with the zero block, masked);
 4. prefill rows of full-attention layers: with the CPU kernel, all of them in one causal call over their pages;
    otherwise (and on sliding layers) one by one: "fresh" over the chunk itself (causal), "paged" over their pages,
@@ -32,7 +32,7 @@ from . import cpu_kernels, layer_ops
 
 __all__ = ["ATTN_NAME", "register", "paged_attention_forward", "paged_attention_op", "current_batch"]
 
-#: The `StepBatch` of the compiled forward running on this thread (``.batch``; published by `cbnb.runner.compiled`).
+#: The `StepBatch` of the compiled forward running on this thread (``.batch``; published by `cbnb.runner.cpu.compiled`).
 step_local = threading.local()
 
 
@@ -67,7 +67,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Raises:
         NotImplementedError: for attention-logit soft-capping (no supported model uses it).
     """
-    if kwargs.get("cbnb_compiled"):  # inside cbnb's compiled forward: the opaque op (cbnb.runner.compiled)
+    if kwargs.get("cbnb_compiled"):  # inside cbnb's compiled forward: the opaque op (cbnb.runner.cpu.compiled)
         if kwargs.get("softcap") is not None:
             raise NotImplementedError("cbnb_paged attention does not support attention-logit soft-capping")
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5

@@ -1,6 +1,6 @@
 /* exp(x) for x <= 0, Cephes' expf polynomial written inline (within 2e-7 relative of libm's on [-87, 0]), so loops
  * that call it vectorize, where libm's expf is a scalar call per element. Shared by cbnb's CPU kernels (a source's
- * build key covers this header: cbnb.runner.cpu_kernels.build_library). */
+ * build key covers this header: cbnb.runner.cpu.cpu_kernels.build_library). */
 #ifndef CBNB_EXP_H
 #define CBNB_EXP_H
 #include <math.h>

@@ -7,7 +7,7 @@ dynamic), 2 ("max-autotune-no-cudagraphs", dynamic) or 3 (the same, static shape
 say False); cbnb's attention never breaks the graph. Pure-decode steps (every row one token) run the decode config,
 the others the varlen config; equal configs share one compiled forward.
 
-How: the paged attention is a custom op (``cbnb::paged_attention``, defined in `cbnb.runner.attention`, so this
+How: the paged attention is a custom op (``cbnb::paged_attention``, defined in `cbnb.runner.cpu.attention`, so this
 module imports attention and never the other way round) that the compiler treats as opaque; its eager body is
 `paged_attention_forward` with the step's `StepBatch`, which the runner publishes in a thread-local for the
 duration of the forward (a `StepBatch` argument would make the compiler guard on its Python structure and
@@ -36,7 +36,7 @@ __all__ = ["resolve_compile_configs", "compile_kwargs", "CompiledForward", "comp
 
 _LEVEL_MODES = {1: ("default", True), 2: ("max-autotune-no-cudagraphs", True), 3: ("max-autotune-no-cudagraphs", False)}
 _KWARGS = ("fullgraph", "dynamic", "backend", "mode", "options")
-# The step's batch for the opaque op lives with the op (`cbnb.runner.attention`): this module publishes it there.
+# The step's batch for the opaque op lives with the op (`cbnb.runner.cpu.attention`): this module publishes it there.
 _local = attention_local
 
 

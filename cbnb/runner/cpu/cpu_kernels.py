@@ -14,7 +14,7 @@ and CPU, into ``$CBNB_KERNEL_CACHE`` (default ``~/.cache/cbnb/kernels``); later 
 The library binds to the OpenMP runtime torch has already loaded (same soname), so it shares torch's threads.
 Without a compiler, or when the build or load fails, `available()` is False once, with a warning, and the runner
 uses its torch path. ``CBNB_CPU_KERNELS=0`` switches the kernel off (the "fast path off" of the oracle tests).
-The other C sources of the CPU fast path (`cbnb.runner.layer_ops`, `cbnb.runner.noise`) are built and loaded the
+The other C sources of the CPU fast path (`cbnb.runner.cpu.layer_ops`, `cbnb.runner.noise`) are built and loaded the
 same way (`LazyLibrary`).
 """
 
