@@ -5,7 +5,12 @@ Forms (`request_grammar`):
 
 - OpenAI's ``response_format``: ``{"type": "text"}`` (no grammar), ``{"type": "json_object"}`` (any JSON object),
   ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ..., "description": ...}}``;
-- ``json_schema=``: a schema as a dict, a JSON string, or a pydantic model class (its ``model_json_schema()``).
+- ``json_schema=``: a schema as a dict, a JSON string, or a pydantic model class (its ``model_json_schema()``);
+- three forms beyond OpenAI's, for vLLM's structured-output fields (the server maps ``guided_regex``,
+  ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` to them): ``{"type": "regex", "regex": "..."}``
+  (llguidance's regex syntax, that of Rust's regex crate, matched whole), ``{"type": "choice", "choice": ["a",
+  "b"]}`` (exactly one of the strings) and ``{"type": "grammar", "grammar": "..."}`` (a Lark grammar, or GBNF as
+  vLLM and llama.cpp write it, converted by llguidance's ``gbnf_to_lark``).
 
 JSON is generated without free whitespace (llguidance's ``whitespace_flexible: false``: ``{"a":1,"b":[2]}``), so a
 small model cannot spend its token budget on blank lines; a schema's own ``"x-guidance"`` options override that.
@@ -52,11 +57,11 @@ class CompiledGrammar:
 
     Attributes:
         field: the request field it came from ("response_format" or "json_schema").
-        kind: "json_object" or "json_schema".
+        kind: "json_object", "json_schema", "regex", "choice" or "grammar".
         name: the schema's name (OpenAI's ``json_schema.name``) or "".
         source: llguidance's grammar definition (a JSON string).
         tokenizer: llguidance's ``LLTokenizer`` (vocabulary and EOS ids of the engine).
-        schema: the JSON schema.
+        schema: the JSON schema ({} for the regex, choice and grammar forms).
     """
 
     field: str
@@ -117,6 +122,34 @@ def closed(schema: Any) -> Any:
     return out
 
 
+def _text_form(rf: dict) -> tuple[str, str, str]:
+    """(kind, "", llguidance source) of the regex, choice and grammar forms (not compiled yet)."""
+    f, kind = "response_format", rf["type"]
+    extra = set(rf) - {"type", kind}
+    if extra:
+        raise ValueError(f"{f}.{sorted(extra)[0]} is not a field of a {kind!r} response_format")
+    v = rf.get(kind)
+    M = _llg().LLMatcher
+    try:
+        if kind == "choice":
+            if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+                raise ValueError(f"{f}.choice must be a non-empty list of non-empty strings; got {v!r}")
+            return kind, "", M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in v))
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"{f}.{kind} must be a non-empty string; got {v!r}")
+        if kind == "regex":
+            return kind, "", M.grammar_from_regex(v)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return kind, "", M.grammar_from_lark(any_to_lark(v))
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{f}.{kind} does not compile: {e}") from None
+    except ValueError as e:
+        if str(e).startswith(f):
+            raise
+        raise ValueError(f"{f}.{kind} does not compile: {e}") from None
+
+
 def _response_format(rf: Any) -> tuple[str, str, dict] | None:
     """(kind, name, schema) of OpenAI's response_format, or None for text."""
     f = "response_format"
@@ -134,7 +167,8 @@ def _response_format(rf: Any) -> tuple[str, str, dict] | None:
             raise ValueError(f"{f}.{sorted(extra)[0]} is not a field of a 'json_object' response_format")
         return "json_object", "", {"type": "object"}
     if kind != "json_schema":
-        raise ValueError(f"{f}.type must be 'text', 'json_object' or 'json_schema'; got {kind!r}")
+        raise ValueError(f"{f}.type must be 'text', 'json_object', 'json_schema', 'regex', 'choice' or 'grammar'; "
+                         f"got {kind!r}")
     extra = set(rf) - {"type", "json_schema"}
     if extra:
         raise ValueError(f"{f}.{sorted(extra)[0]} is not a field of a 'json_schema' response_format")
@@ -206,7 +240,12 @@ def request_grammar(tokenizer: Any, vocab_size: int, eos: Any, *, response_forma
     if response_format is not None and json_schema is not None:
         raise ValueError("json_schema: give response_format or json_schema, not both")
     field = "response_format" if response_format is not None else "json_schema"
-    if field == "response_format":
+    source = None
+    if field == "response_format" and isinstance(response_format, dict) and response_format.get("type") in (
+            "regex", "choice", "grammar"):
+        kind, name, source = _text_form(response_format)
+        schema, where = {}, f"response_format.{kind}"
+    elif field == "response_format":
         parsed = _response_format(response_format)
         if parsed is None:
             return None
@@ -222,7 +261,8 @@ def request_grammar(tokenizer: Any, vocab_size: int, eos: Any, *, response_forma
     llg = _llg()
     M = llg.LLMatcher
     try:
-        source = M.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if source is None:
+            source = M.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where} does not compile: {e}") from None
     ll = _ll_tokenizer(tokenizer, int(vocab_size), tuple(sorted(int(i) for i in eos or ())))

@@ -8,9 +8,11 @@ pydantic, prometheus_client).
     client = OpenAI(base_url=server.url, api_key="none")
     client.completions.create(model=server.model_name, prompt="Hello", max_tokens=16)
 
-Modules: `settings` (where and what limits), `protocol` (request schemas, validation, OpenAI error JSON), `app`
-(routes), `sse` (streaming and disconnects), `stops` (stop strings, for an engine without them), `metrics`
-(Prometheus), `counters` (live figures), `lifecycle` (the uvicorn thread, start/stop, replacing a server on a port).
+Modules: `settings` (where and what limits), `protocol` (request schemas, validation, OpenAI error JSON), `extras`
+(vLLM's extra fields: structured-output spellings, template options), `app` (routes), `responses` (the Responses
+API on the chat path), `generation` (a request's choices -> bodies and chunks), `tools` (tool calling), `sse`
+(streaming and disconnects), `metrics` (Prometheus), `counters` (live figures), `lifecycle` (the uvicorn thread,
+start/stop/drain, replacing a server on a port), `cli` (`cbnb serve MODEL`, also `python -m cbnb.server`).
 `engine.serve(...)` calls `serve(engine, ...)` here. Importing this package needs none of the web stack; `serve()`
 says what to install when it is missing.
 """

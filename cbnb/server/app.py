@@ -1,9 +1,10 @@
 """The ASGI application (Starlette): OpenAI-compatible routes over one engine.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`,
-`POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /health`, `GET /metrics`. A request's `model` may be the
+`POST /v1/responses` (`cbnb.server.responses`), `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /health`,
+`GET|POST /ping` (= /health, vLLM's), `GET /version` ({"version": cbnb's}), `GET /metrics`. A request's `model` may be the
 served name or one of its aliases (`model_aliases_of`: e.g. the Hugging Face id of a bundled model).
-Every route but `/health` needs the API key when one is set. Each generation request is an ordinary engine request
+Every route but `/health`, `/ping` and `/version` needs the API key when one is set. Each generation request is an ordinary engine request
 (id ``http-N``, source ``"http <host>:<port>"`` of the client, plus ``user=`` when the body names one): the
 dashboard's board and the engine's stats show it like any other. Its life:
 
@@ -27,7 +28,9 @@ import hmac
 import itertools
 import logging
 import queue
+import sys
 import time
+import uuid
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -35,7 +38,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import protocol
+from . import protocol, responses
 from .counters import ServerCounters
 from .metrics import CONTENT_TYPE, EngineCollector, render
 from .protocol import ApiError, GenerationRequest
@@ -50,7 +53,7 @@ __all__ = ["ServerContext", "build_app"]
 log = logging.getLogger("cbnb.server")
 
 _REQUEST_IDS = itertools.count(1)  # process-wide: two servers on one engine never reuse an id
-_PUBLIC = {"/health"}
+_PUBLIC = {"/health", "/ping", "/version"}
 
 
 class ServerContext:
@@ -77,6 +80,7 @@ class ServerContext:
         self.token_text = TokenText(getattr(engine, "tokenizer", None))
         self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine.engine_like`)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted
+        self.store = responses.ResponseStore()  # recent /v1/responses conversations (previous_response_id)
         self.closing = False
         self.created = int(time.time())
 
@@ -244,6 +248,16 @@ def build_app(ctx: ServerContext) -> Any:
     async def chat(request: Request) -> Any:
         return await _guarded(ctx, request, "chat")
 
+    async def create_response(request: Request) -> Any:
+        return await _guarded(ctx, request, "responses")
+
+    async def version(request: Request) -> Response:
+        # the package is imported before any of its modules (no import of it here: tests/test_imports.py)
+        return JSONResponse({"version": sys.modules["cbnb"].__version__, "server": "cbnb"})
+
+    async def ping(request: Request) -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
+        return await health(request)
+
     async def not_found(request: Request, exc: Exception) -> Response:
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
@@ -258,15 +272,18 @@ def build_app(ctx: ServerContext) -> Any:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     return Gate(app, ctx)
 
 
-_ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/tokenize",
-           "/detokenize"}
+_ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/ping", "/version",
+           "/metrics", "/tokenize", "/detokenize"}
 
 
 def _route_of(path: str) -> str:
@@ -359,9 +376,59 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
-    s = ctx.settings
-    obj = protocol.parse_json(await _read_body(request, s.max_body_bytes))
+    obj = protocol.parse_json(await _read_body(request, ctx.settings.max_body_bytes))
+    if kind == "responses":
+        return await _responses(ctx, request, obj)
     g = protocol.parse_request(kind, obj, ctx.engine_args)
+    run = await _start(ctx, request, g)
+    if g.stream:
+        return EventStream(run.stream, on_close=lambda gone: run.close())
+    try:
+        await until_disconnect(request.receive, run.collect())
+    finally:
+        run.close()
+    if run.error is not None:
+        raise run.error
+    return JSONResponse(run.response())
+
+
+async def _responses(ctx: ServerContext, request: Request, obj: dict[str, Any]) -> Any:
+    """`POST /v1/responses` on the chat path (`cbnb.server.responses`)."""
+    chat, history = responses.to_chat(obj, ctx.store)
+    g = protocol.parse_request("chat", chat, ctx.engine_args)
+    run = await _start(ctx, request, g)
+    rid = f"resp_{uuid.uuid4().hex}"
+    keep = obj.get("store") is not False
+    if g.stream:
+        async def produce(emit: Callable[[bytes], Any]) -> None:
+            ev = responses.ResponseEvents(obj, rid, run.model_name, emit)
+            await ev.start()
+            c, finish = run.choices[0], None
+            async for chunk in run.chunks(c):
+                finish = await ev.chunk(chunk) or finish
+            if c.error is not None:
+                await ev.fail(c.error)
+                return
+            await ev.end(finish, run.usage())
+            if keep:
+                ctx.store.put(rid, history + [ev.stored])
+
+        return EventStream(produce, on_close=lambda gone: run.close())
+    try:
+        await until_disconnect(request.receive, run.collect())
+    finally:
+        run.close()
+    if run.error is not None:
+        raise run.error
+    body, stored = responses.response_body(run.response(), obj, rid)
+    if keep:
+        ctx.store.put(rid, history + [stored])
+    return JSONResponse(body)
+
+
+async def _start(ctx: ServerContext, request: Request, g: GenerationRequest) -> Generation:
+    """Check a parsed request against the server's limits, submit its engine requests; returns its `Generation`."""
+    s = ctx.settings
     model = ctx.check_model(g.model)
     _check_engine(ctx)
     if ctx.counters.snapshot()["in_flight"] >= s.max_concurrent_requests:
@@ -404,16 +471,7 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
             # next turn), so a client that retries at once with a smaller batch finds their room free.
             await ctx.run_blocking(_settle, handles, _SETTLE_S)
         raise
-    run = Generation([h for row in grid for h in row], g, slot, model, ctx.live, lambda: ctx.closing, ctx.token_text)
-    if g.stream:
-        return EventStream(run.stream, on_close=lambda gone: run.close())
-    try:
-        await until_disconnect(request.receive, run.collect())
-    finally:
-        run.close()
-    if run.error is not None:
-        raise run.error
-    return JSONResponse(run.response())
+    return Generation([h for row in grid for h in row], g, slot, model, ctx.live, lambda: ctx.closing, ctx.token_text)
 
 
 _SETTLE_S = 5.0  # bound on waiting for a refused batch's cancelled choices (about one engine step)
@@ -446,19 +504,27 @@ def _encode_all(engine: Any, g: GenerationRequest) -> list[list[int]]:
         try:
             warm(getattr(engine, "tokenizer", None), engine.vocab_size, getattr(engine, "default_eos", ()))
         except ValueError as e:
-            raise protocol.invalid("response_format" if "response_format" in g.submit_kwargs else "tools",
-                                   str(e)) from None
+            raise protocol.invalid(g.structured_field or "tools", str(e)) from None
     out = []
+    tok = getattr(engine, "tokenizer", None)
     for i, prompt in enumerate(g.prompts):
         where = f"{field}[{i}]" if len(g.prompts) > 1 else field
         try:
-            if g.tools and getattr(engine, "tokenizer", None) is not None:  # tools rendered into the prompt
-                out.append(engine.encode(render_tools(engine.tokenizer, prompt, g.tools)))
-                continue
-            out.append(engine.encode(prompt, chat=g.kind == "chat") if isinstance(prompt, str)
-                       else engine.encode(prompt))
+            if g.kind == "chat" and tok is not None:  # the template (tools and vLLM's template fields) applied
+                ids = engine.encode(render_tools(tok, prompt, g.tools, g.template))
+            elif isinstance(prompt, str) and tok is not None and not g.add_special_tokens:
+                ids = engine.encode(list(tok(prompt, add_special_tokens=False)["input_ids"]))
+            else:
+                ids = engine.encode(prompt, chat=g.kind == "chat") if isinstance(prompt, str) else engine.encode(prompt)
         except Exception as e:  # tokenizer or chat-template errors are the request's problem
             raise protocol.invalid(where, f"cannot tokenize {where}: {e}") from None
+        if g.truncate is not None:  # vLLM's truncate_prompt_tokens: the last k tokens (-1: the context)
+            keep = g.truncate if g.truncate >= 0 else (getattr(engine, "max_positions", None) or len(ids))
+            if keep == 0:
+                raise protocol.invalid("truncate_prompt_tokens", "truncate_prompt_tokens=0 leaves no prompt; give "
+                                       "k >= 1 (the prompt's last k tokens) or -1 (the model's context)")
+            ids = ids[-keep:]
+        out.append(ids)
     return out
 
 
@@ -540,6 +606,8 @@ def _submit(ctx: ServerContext, g: GenerationRequest, ids: list[int], max_new: i
     except ValueError as e:
         msg = str(e)
         param = next((f for arg, f in _FIELD_OF.items() if msg.startswith(arg) and arg in kw), None)
+        if param == "response_format" and g.structured_field not in (None, "response_format"):
+            param = g.structured_field  # a vLLM spelling, mapped to the engine's response_format
         if param == "tools" and msg.startswith("json_schema"):  # the forced call's grammar, from the tools
             msg = "a function's parameters (tools[].function.parameters)" + msg[len("json_schema"):]
         raise protocol.invalid(param or ("prompt" if g.kind == "completion" else "messages"), msg) from None

@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from .counters import ServerCounters
 from .protocol import ApiError, GenerationRequest
 from .sse import DONE, sse
+from ..engine.detok import IncrementalDetokenizer
 from ..engine.stops import TextStopFilter
 from .tools import CallStream, ToolStream, cut_forced_call, new_call_id, parse_calls, tool_calls_body
 
@@ -128,6 +129,29 @@ class TokenText:
         return top
 
 
+class TokenIds(TokenText):
+    """vLLM's `return_tokens_as_token_ids`: every logprob token is ``"token_id:<id>"`` (its bytes that string's)."""
+
+    def _text(self, tid: int) -> str:
+        return f"token_id:{tid}"
+
+    def _bytes(self, tid: int) -> list[int]:
+        return list(f"token_id:{tid}".encode())
+
+
+class KeptStopFilter(TextStopFilter):
+    """`TextStopFilter` that keeps the stop string it found in the text (vLLM's ``include_stop_str_in_output``)."""
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        seen = self.buf + text
+        out = super().push(text)
+        if self.stopped:  # the stop string that won starts where `out` ends; of those, the shortest ends first
+            out += min((s for s in self.stops if seen.startswith(s, len(out))), key=len)
+        return out
+
+
 class PrimedHandle:
     """A `RequestHandle` whose first delta was already awaited (`prime`), so that its prompt's KV blocks are computed
     and in the prefix cache before sibling choices are submitted; iterating it yields that delta first. Everything
@@ -173,10 +197,14 @@ class Choice:
     """
 
     def __init__(self, index: int, handle: Any, g: GenerationRequest, closing: Callable[[], bool],
-                 on_tokens: Callable[[int], None], is_special: Callable[[int], bool] = lambda tid: False) -> None:
+                 on_tokens: Callable[[int], None], is_special: Callable[[int], bool] = lambda tid: False,
+                 tokenizer: Any = None) -> None:
         self.index, self.handle, self.g, self.closing, self.on_tokens = index, handle, g, closing, on_tokens
         self.is_special = is_special
-        self.matcher = TextStopFilter(g.stop) if g.stop else None
+        self.matcher = (KeptStopFilter if g.include_stop_str else TextStopFilter)(g.stop) if g.stop else None
+        # the server's own text (special tokens kept, or stop strings kept): see `pieces`
+        self.detok = (IncrementalDetokenizer(tokenizer, skip_special_tokens=g.skip_special_tokens)
+                      if g.own_detokenizer and tokenizer is not None else None)
         self.prompt_tokens = len(handle.prompt_token_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -190,6 +218,7 @@ class Choice:
         self.forced = self.tools is not None and g.tool_choice != "auto"  # "required" or a named function
         self.prompt_logprobs: list[Any] | None = None  # the engine's, for echo (None first)
         self._ended_on_eos = False
+        self._outcome_read = False
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[Any]]]:
         """(text, logprobs) to send, in order; sets finish_reason or error at the end."""
@@ -205,7 +234,9 @@ class Choice:
                 self.completion_tokens += len(d.token_ids)
                 self.on_tokens(len(d.token_ids))
                 lps = list(d.logprobs or ()) if self.g.logprobs is not None else []
-                text = d.text
+                if d.finished:
+                    self._outcome()
+                text = d.text if self.detok is None else self._own_text(d)
                 if self.matcher is not None:
                     text = self.matcher.push(text)
                     if self.matcher.stopped:
@@ -216,7 +247,6 @@ class Choice:
                     if d.finished:
                         text += self.matcher.flush()
                 if d.finished:
-                    self._outcome()
                     if self._ended_on_eos and lps and self.g.kind == "chat" and self.is_special(lps[-1].token_id):
                         # chat: a special end token is not in the content, and OpenAI lists no logprob for it;
                         # completions keep it last (as vLLM does: lm-eval drops the generated token's entry)
@@ -226,7 +256,19 @@ class Choice:
         finally:
             await it.aclose()
 
+    def _own_text(self, d: Any) -> str:
+        """The delta's text from the server's own detokenizer. As vLLM: the token that ended the request (EOS or
+        one of `stop_token_ids`) is left out of the text unless include_stop_str_in_output."""
+        ids = list(d.token_ids)
+        if d.finished and self._ended_on_eos and ids and not self.g.include_stop_str:
+            ids = ids[:-1]
+        text = self.detok.push(ids)
+        return text + self.detok.finish() if d.finished else text
+
     def _outcome(self) -> None:
+        if self._outcome_read:
+            return
+        self._outcome_read = True
         out = self.handle.result(timeout=0)
         self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
         self._ended_on_eos = out.finish_reason == "eos"
@@ -297,8 +339,11 @@ class Generation:
                  live: dict[str, Any], closing: Callable[[], bool], tokens: TokenText) -> None:
         self.handles, self.g, self.slot, self.model_name, self.live, self.tokens = (
             handles, g, slot, model_name, live, tokens)
-        self.choices = [Choice(i, h, g, closing, self._count, tokens.is_special) for i, h in enumerate(handles)]
-        self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + handles[0].request_id
+        if g.token_ids_as_text:
+            self.tokens = tokens = TokenIds(tokens.tokenizer)
+        self.choices = [Choice(i, h, g, closing, self._count, tokens.is_special, tokens.tokenizer)
+                        for i, h in enumerate(handles)]
+        self.id = ("cmpl-" if g.kind == "completion" else "chatcmpl-") + (g.request_id or handles[0].request_id)
         self.created = int(time.time())
         # usage: each prompt once (its n choices share it), every choice's generated tokens
         self.prompt_tokens = sum(c.prompt_tokens for c in self.choices[::g.n])
@@ -347,8 +392,10 @@ class Generation:
                 lp = {k: head[k] + lp[k] for k in head}
             if self.g.kind == "completion":
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                if self.g.prompt_logprobs is not None:
+                    out[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
             else:
-                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                msg: dict[str, Any] = {"role": "assistant", "content": self._echoed() + text}
                 finish = c.finish_reason
                 if calls:
                     msg = {"role": "assistant", "content": content,
@@ -359,7 +406,37 @@ class Generation:
                     msg = {"role": "assistant", "content": None, **({"tool_calls": [cut]} if cut else {})}
                 out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
         obj = "text_completion" if self.g.kind == "completion" else "chat.completion"
-        return {**self._head(obj), "choices": out, "usage": self.usage()}
+        body = {**self._head(obj), "choices": out, "usage": self.usage()}
+        if self.g.kind == "chat" and self.g.prompt_logprobs is not None:  # vLLM: the chat's, once
+            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+        return body
+
+    def _echoed(self) -> str:
+        """Chat echo (vLLM): the last message's content when it is the assistant's (the answer continues it)."""
+        if not self.g.chat_echo:
+            return ""
+        last = self.g.prompts[0][-1]
+        return (last.get("content") or "") if last.get("role") == "assistant" else ""
+
+    def _prompt_logprobs(self, c: Choice) -> list[Any]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or ``{token id: {"logprob", "rank",
+        "decoded_token"}}`` holding the token itself and the `prompt_logprobs` most likely tokens (rank: 1 for the
+        most likely; null for the prompt's token when it is not among them, as the engine keeps only the top k)."""
+        k = self.g.prompt_logprobs or 0
+        out: list[Any] = []
+        for lp in c.prompt_logprobs or [None] * len(c.handle.prompt_token_ids):
+            if lp is None:
+                out.append(None)
+                continue
+            top = list(lp.top)[:k]
+            entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.tokens.text(t)}
+                     for r, (t, v) in enumerate(top)}
+            if str(lp.token_id) not in entry:
+                rank = next((r + 1 for r, (t, _) in enumerate(lp.top) if t == lp.token_id), None)
+                entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": rank,
+                                           "decoded_token": self.tokens.text(lp.token_id)}
+            out.append(entry)
+        return out
 
     def _prompt_text(self, c: Choice) -> str:
         prompt = self.g.prompts[c.index // self.g.n]
@@ -428,6 +505,11 @@ class Generation:
         # A call cut before its name was complete sends nothing: its text is the call's wrapper, not content.
         yield self._final(c, "tool_calls" if cs.started and c.finish_reason == "stop" else None)
 
+    def chunks(self, c: Choice) -> AsyncIterator[dict[str, Any]]:
+        """Choice `c`'s chat chunks (no role chunk, no usage, no [DONE]), its final one included; after them
+        `c.error` says whether it failed (the Responses API's stream is written from these)."""
+        return self._pieces(c)
+
     async def _pieces(self, c: Choice) -> AsyncIterator[dict[str, Any]]:
         """A choice's chunks, its final one included (tool calls parsed; see `cbnb.server.tools`)."""
         if c.forced:
@@ -437,6 +519,8 @@ class Generation:
         ts = ToolStream(c.tools) if c.tools is not None else None
         if self.g.echo:  # streamed echo (without logprobs): the prompt's text is the choice's first chunk
             yield self._chunk(c, self._prompt_text(c), None)
+        elif self._echoed():  # chat echo: the assistant message being continued comes first
+            yield self._chunk(c, self._echoed(), None)
         async for text, lps in c.pieces():
             if ts is not None:
                 text = ts.push(text)

@@ -250,6 +250,28 @@ class Server:
         if uv is not None:
             uv.should_exit = True
 
+    def drain(self, timeout: float = 30.0, give_up: Any = None) -> int:
+        """Refuse new requests (503; `/health` answers 503 too) and wait until the requests in flight have ended,
+        at most `timeout` seconds or until ``give_up()`` is true. Returns how many are still in flight (0: all
+        ended). `stop()` then closes the port (and cancels what is left)."""
+        ctx, loop = self._ctx, self._loop
+        if ctx is None or loop is None or loop.is_closed():
+            return 0
+
+        def close_door() -> None:
+            ctx.closing = True  # on the server's loop, like every other change to the routes' context
+
+        try:
+            loop.call_soon_threadsafe(close_door)
+        except RuntimeError:  # the loop closed meanwhile
+            return 0
+        deadline = time.monotonic() + timeout
+        while True:
+            left = ctx.counters.snapshot()["in_flight"]
+            if not left or time.monotonic() > deadline or (give_up is not None and give_up()):
+                return left
+            time.sleep(0.05)
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop serving: new requests are refused, live ones are cancelled (their blocks freed), the port is
         released. Idempotent."""

@@ -6,9 +6,10 @@ HTTP status and the body OpenAI's API would send::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Schemas follow the OpenAI API reference for `POST /v1/completions` and `POST /v1/chat/completions`, plus vLLM's
-extra sampling fields (`VLLM_FIELDS`: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`; load generators such as GuideLLM send
+Schemas follow the OpenAI API reference for `POST /v1/completions` and `POST /v1/chat/completions` (every field the
+openai SDK's types carry, in requests and in messages: see `ChatMessage` and `ChatCompletionBody`), plus vLLM's
+extra fields (`VLLM_FIELDS`, `VLLM_CHAT_FIELDS`: sampling, detokenization, structured output, template, prompt
+logprobs, truncation, request ids; mapped in `cbnb.server.extras`; load generators such as GuideLLM send
 `ignore_eos`). OpenAI's metadata fields that do not change the output (`METADATA_FIELDS`: `metadata`, `store`,
 `service_tier`, `user`, ...) are accepted and ignored. Unknown fields are refused (400, naming the field), never
 ignored. Fields the engine cannot honour (`suffix`, `best_of` > 1, `echo` with `stream` and `logprobs`, ...) are
@@ -16,9 +17,10 @@ parsed and range-checked, and then either mapped to an engine argument when `eng
 `ENGINE_ARGS`) or answered with 400 "not supported yet: <field>" when the value would change the output; a neutral
 value (`best_of=1`, `suffix=""`) is accepted.
 
-Structured output (chat): `response_format` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-{...}}`` goes to the engine's `response_format` (a grammar mask, `cbnb.engine.structured`); a schema that does not
-compile is a 400 naming `response_format`. Tools (chat): `tools`, `tool_choice` ("none", "auto", "required" or
+Structured output (both endpoints): `response_format` ``{"type": "json_object"}`` or ``{"type": "json_schema",
+"json_schema": {...}}``, and vLLM's `guided_*` / `structured_outputs` spellings (`cbnb.server.extras`), go to the
+engine's `response_format` (a grammar mask, `cbnb.engine.structured`); a grammar that does not compile is a 400
+naming the field it came in. Tools (chat): `tools`, `tool_choice` ("none", "auto", "required" or
 ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls`; "required" and a named function
 become the engine's `json_schema` (one valid call, `cbnb.server.tools.call_schema`), so they cannot be combined
 with `response_format`; assistant messages may carry `tool_calls` and tool messages `tool_call_id`.
@@ -36,27 +38,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from .tools import ToolSpec, call_schema
+from .extras import FieldError, TemplateOptions, structured_format
+# the schemas (and field lists) live in `schemas`; importable from here as before
+from .schemas import (GREEDY_BELOW, INT64, MAX_CHOICES, METADATA_FIELDS, VLLM_CHAT_FIELDS, VLLM_FIELDS,  # noqa: F401
+                      ChatCompletionBody, ChatMessage, CompletionBody, DetokenizeBody, TokenizeBody, _Body, _short)
+from .tools import FunctionSpec, ToolSpec, call_schema
 
 __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBody", "parse_json", "parse_request",
-           "ENGINE_ARGS", "METADATA_FIELDS", "VLLM_FIELDS", "MAX_CHOICES", "error_body"]
-
-INT64 = 2**63
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-MAX_STOP = 4  # OpenAI accepts up to 4 stop sequences
-MAX_STOP_CHARS = 256  # per stop sequence: the server searches each streamed piece for them
-MAX_CHOICES = 128  # engine requests per HTTP request: prompts x n
-MAX_STOP_TOKEN_IDS = 64
-
-# OpenAI fields that describe the request for the caller's own records: accepted, never change the output.
-METADATA_FIELDS = ("metadata", "store", "service_tier", "user", "prompt_cache_key", "safety_identifier")
-# vLLM's extra sampling fields this server takes (besides OpenAI's own).
-VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-               "skip_special_tokens", "include_stop_str_in_output")
+           "ENGINE_ARGS", "METADATA_FIELDS", "VLLM_FIELDS", "VLLM_CHAT_FIELDS", "MAX_CHOICES", "error_body"]
 
 # OpenAI field -> the `engine.submit` keyword that implements it (used when the engine's signature has it; the
 # issue "generation parity" adds these to the engine).
@@ -109,208 +102,6 @@ def unsupported(param: str, detail: str = "") -> ApiError:
     return ApiError(400, f"not supported yet: {param}{detail}", param=param, code="unsupported_parameter")
 
 
-# ----------------------------------------------------------------------------------------------------- schemas
-class _Body(BaseModel):
-    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not silently ignored.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=128)
-    stream: bool | None = None
-    stream_options: "StreamOptions | None" = None
-    stop: Any = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = Field(None, max_length=256)
-    # OpenAI metadata: accepted, ignored (METADATA_FIELDS)
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = Field(None, max_length=64)
-    prompt_cache_key: str | None = Field(None, max_length=1024)
-    safety_identifier: str | None = Field(None, max_length=256)
-    # vLLM extensions (VLLM_FIELDS)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and len(v) > 16:  # OpenAI's limits: 16 pairs, keys <= 64 and values <= 512 characters
-            raise ValueError(f"at most 16 key-value pairs; got {len(v)}")
-        for k, val in (v or {}).items():
-            if len(k) > 64 or len(val) > 512:
-                raise ValueError("keys must have at most 64 characters and values at most 512")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(i < 0 for i in v):
-            raise ValueError("token ids must be >= 0")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: Any) -> list[str] | None:
-        if v is None:
-            return None
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise ValueError("must be a string or a list of strings")
-        if len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences; got {len(v)}")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in v):
-            raise ValueError(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for k, b in (v or {}).items():
-            if not k.isdigit():
-                raise ValueError(f"keys must be token ids (digit strings); got {k!r}")
-            if not -100 <= b <= 100:
-                raise ValueError(f"bias of token {k} must be in [-100, 100]; got {b}")
-        return v
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (GuideLLM asks for it)
-
-
-class CompletionBody(_Body):
-    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a batch: a non-empty list of strings
-    and/or token-id lists (validated into a list of prompts)."""
-
-    prompt: Any
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (the prompt's logprobs alone)
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: Any) -> list[str | list[int]]:
-        def one(p: Any) -> bool:
-            return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in p))
-
-        if one(v):
-            return [v]
-        if isinstance(v, list) and v and all(one(p) for p in v):
-            if len(v) > MAX_CHOICES:
-                raise ValueError(f"at most {MAX_CHOICES} prompts in one request; got {len(v)}")
-            return v
-        if isinstance(v, list) and v and any(isinstance(p, (str, list)) for p in v):  # a batch with a bad element
-            i, bad = next((i, p) for i, p in enumerate(v) if not one(p))
-            raise ValueError(f"prompt[{i}] must be a string or a non-empty list of token ids; got "
-                             f"{_short(bad)}")
-        raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
-
-
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    """An assistant message's earlier call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant messages
-    tool_call_id: str | None = None  # tool messages
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, v: Any) -> str:
-        if v is None:
-            return ""
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list):  # content parts: only text parts are supported
-            texts = []
-            for i, part in enumerate(v):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"part {i}: only {{'type': 'text', 'text': ...}} parts are supported")
-                texts.append(part["text"])
-            return "".join(texts)
-        raise ValueError("must be a string or a list of text parts")
-
-
-class ChatCompletionBody(_Body):
-    """`POST /v1/chat/completions`: the tokenizer's chat template turns `messages` into the prompt."""
-
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[ToolSpec] | None = Field(None, max_length=128)
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v is None or v in ("none", "auto", "required"):
-            return v
-        if (isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
-                and isinstance(v["function"].get("name"), str) and set(v) == {"type", "function"}
-                and set(v["function"]) == {"name"}):
-            return v
-        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
-
-
-class TokenizeBody(BaseModel):
-    """vLLM's `POST /tokenize`: `prompt` (text) or `messages` (the chat template applied), not both."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    prompt: str | None = Field(None, min_length=1)
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
-    add_generation_prompt: bool | None = None  # messages only; default true
-
-
-class DetokenizeBody(BaseModel):
-    """vLLM's `POST /detokenize`: `tokens`, a list of token ids."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    tokens: list[int] = Field(..., max_length=1 << 20)
-
-
-_Body.model_rebuild()
-CompletionBody.model_rebuild()
-ChatCompletionBody.model_rebuild()
-
-
 # ----------------------------------------------------------------------------------------------------- parsing
 @dataclasses.dataclass
 class GenerationRequest:
@@ -334,6 +125,15 @@ class GenerationRequest:
         user: the OpenAI `user` field, if any (shown as part of the request's source).
         tools: chat's `tools` as dicts (rendered into the prompt), or None; tool_choice: "none", "auto",
             "required" or {"type": "function", ...} (None: "auto" with tools).
+        template: chat's `TemplateOptions` (vLLM's template fields).
+        add_special_tokens: completions: tokenize text prompts with the tokenizer's special tokens (default True).
+        truncate: keep the prompt's last `truncate` tokens (-1: the model's context), or None.
+        prompt_logprobs: vLLM's `prompt_logprobs` (alternatives per prompt token), or None.
+        skip_special_tokens, include_stop_str: vLLM's detokenization options (the server decodes the text itself
+            when either differs from the default; see `cbnb.server.generation.Choice`).
+        token_ids_as_text: vLLM's `return_tokens_as_token_ids` (logprob tokens as "token_id:<id>").
+        request_id: vLLM's `request_id` (the response's id), or None.
+        chat_echo: chat's `echo` (the last message's content starts the answer when it is the assistant's).
     """
 
     kind: str
@@ -352,6 +152,21 @@ class GenerationRequest:
     echo: bool = False
     tools: list[dict] | None = None
     tool_choice: Any = None
+    template: TemplateOptions = dataclasses.field(default_factory=TemplateOptions)
+    add_special_tokens: bool = True
+    truncate: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+    token_ids_as_text: bool = False
+    request_id: str | None = None
+    chat_echo: bool = False
+    structured_field: str | None = None
+
+    @property
+    def own_detokenizer(self) -> bool:
+        """Whether the server decodes the text itself (special tokens kept, or stop strings kept in the text)."""
+        return not self.skip_special_tokens or self.include_stop_str
 
     @property
     def prompt(self) -> Any:
@@ -406,11 +221,6 @@ def _validation_error(e: ValidationError) -> ApiError:
     return invalid(param, f"Invalid value for {param}: {msg}{got}")
 
 
-def _short(v: Any) -> str:
-    s = json.dumps(v) if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__
-    return s if len(s) <= 80 else s[:77] + "..."
-
-
 def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -> GenerationRequest:
     """Validate a completions ("completion") or chat ("chat") body and map it to engine arguments.
 
@@ -427,6 +237,15 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
         body = schema.model_validate(obj)
     except ValidationError as e:
         raise _validation_error(e) from None
+    try:
+        return _parse(kind, body, engine_args)
+    except FieldError as e:
+        if e.unsupported:
+            raise ApiError(400, str(e), param=e.param, code="unsupported_parameter") from None
+        raise invalid(e.param, str(e)) from None
+
+
+def _parse(kind: str, body: Any, engine_args: frozenset[str]) -> GenerationRequest:
     _refuse_unsupported(body, engine_args)
     kw: dict[str, Any] = {}
     t = 1.0 if body.temperature is None else body.temperature
@@ -449,9 +268,12 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
         if field != "stop" and arg in engine_args and value not in (None, 0, {}):
             kw[arg] = {int(k): v for k, v in value.items()} if field == "logit_bias" else value
     stop = body.stop
-    if stop and "stop" in engine_args:
-        kw["stop"] = stop
+    skip_special = body.skip_special_tokens is not False
+    include_stop = bool(body.include_stop_str_in_output)
+    if stop and "stop" in engine_args and skip_special and not include_stop:
+        kw["stop"] = stop  # else the server finds them in its own text (Choice)
         stop = None
+    structured = structured_format(body)
     n = 1 if body.n is None else body.n
     if kind == "completion":
         prompts: list[Any] = body.prompt
@@ -460,19 +282,30 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
         echo = bool(body.echo)
         if echo and logprobs is not None:
             kw["prompt_logprobs"] = logprobs
+        if structured is not None:
+            _grammar(kw, structured, engine_args)
+        template = TemplateOptions()
     else:
-        prompts = [[_message(m) for m in body.messages]]
+        prompts = [[_message(m, i) for i, m in enumerate(body.messages)]]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         echo = False
-        tools, choice = _tools(body, kw, engine_args)
+        template = TemplateOptions.of(body)
+        tools, choice = _tools(body, kw, engine_args, structured)
+    if body.prompt_logprobs is not None:
+        if "prompt_logprobs" not in engine_args:
+            raise unsupported("prompt_logprobs")
+        if body.stream:
+            raise unsupported("prompt_logprobs", " with stream=true (prompt logprobs come with the whole response)")
+        kw["prompt_logprobs"] = max(body.prompt_logprobs, kw.get("prompt_logprobs", 0))
     if len(prompts) * n > MAX_CHOICES:
         raise invalid("n", f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; at most {MAX_CHOICES} "
                       "per request")
     if logprobs is not None:
         kw["logprobs"] = logprobs
+    structured_field = kw.pop("_structured_field", None)
     opts = body.stream_options
     if opts is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
@@ -481,27 +314,63 @@ def parse_request(kind: str, obj: dict[str, Any], engine_args: frozenset[str]) -
                              continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
                              model=body.model, user=body.user, n=n, logprobs=logprobs,
                              stop_token_ids=body.stop_token_ids or None, echo=echo,
-                             tools=tools if kind == "chat" else None, tool_choice=choice if kind == "chat" else None)
+                             tools=tools if kind == "chat" else None, tool_choice=choice if kind == "chat" else None,
+                             template=template, add_special_tokens=body.add_special_tokens is not False,
+                             truncate=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
+                             skip_special_tokens=skip_special, include_stop_str=include_stop,
+                             token_ids_as_text=bool(body.return_tokens_as_token_ids), request_id=body.request_id,
+                             chat_echo=kind == "chat" and bool(body.echo), structured_field=structured_field)
 
 
-def _message(m: "ChatMessage") -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role if m.role != "developer" else "system", "content": m.content or ""}
-    if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+def _message(m: "ChatMessage", i: int) -> dict[str, Any]:
+    if m.audio is not None:
+        raise unsupported(f"messages[{i}].audio", " (an earlier audio answer: this server serves text)")
+    role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+    out: dict[str, Any] = {"role": role, "content": m.content or m.refusal or ""}
+    calls = [c.model_dump() for c in m.tool_calls or ()]
+    if m.function_call is not None:  # the legacy form of one call
+        calls.append({"id": f"call_{m.function_call.name}", "type": "function",
+                      "function": m.function_call.model_dump()})
+    if calls:
+        out["tool_calls"] = calls
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
-    if m.name is not None and m.role == "tool":
+    if m.name is not None and role == "tool":
         out["name"] = m.name
     return out
 
 
-def _tools(body: "ChatCompletionBody", kw: dict[str, Any], engine_args: frozenset[str]) -> tuple[Any, Any]:
-    """(tools as dicts, tool_choice); maps response_format and a forced call to the engine's arguments."""
-    rf = body.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        if "response_format" not in engine_args:
-            raise unsupported("response_format", " (only {'type': 'text'})")
-        kw["response_format"] = rf
+def _grammar(kw: dict[str, Any], structured: tuple[str, dict], engine_args: frozenset[str]) -> None:
+    field, rf = structured
+    if "response_format" not in engine_args:
+        raise unsupported(field, " (this engine has no structured output)")
+    kw["response_format"] = rf
+    kw["_structured_field"] = field  # for the param of an error the engine raises (popped before submit)
+
+
+def _legacy_functions(body: "ChatCompletionBody") -> None:
+    """OpenAI's pre-tools `functions` / `function_call`, read as `tools` / `tool_choice`."""
+    if body.functions is None and body.function_call is None:
+        return
+    if body.tools is not None or body.tool_choice is not None:
+        raise invalid("functions", "functions / function_call cannot be combined with tools / tool_choice")
+    if body.functions:
+        body.tools = [ToolSpec(type="function", function=FunctionSpec(**f.model_dump())) for f in body.functions]
+    fc = body.function_call
+    if fc is None or fc in ("none", "auto"):
+        body.tool_choice = fc
+    elif isinstance(fc, dict) and set(fc) == {"name"} and isinstance(fc["name"], str):
+        body.tool_choice = {"type": "function", "function": {"name": fc["name"]}}
+    else:
+        raise invalid("function_call", "function_call must be 'none', 'auto' or {'name': ...}")
+
+
+def _tools(body: "ChatCompletionBody", kw: dict[str, Any], engine_args: frozenset[str],
+           structured: tuple[str, dict] | None) -> tuple[Any, Any]:
+    """(tools as dicts, tool_choice); maps structured output and a forced call to the engine's arguments."""
+    _legacy_functions(body)
+    if structured is not None:
+        _grammar(kw, structured, engine_args)
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -518,8 +387,9 @@ def _tools(body: "ChatCompletionBody", kw: dict[str, Any], engine_args: frozense
     forced = choice == "required" or isinstance(choice, dict)
     if forced:
         if "response_format" in kw:
-            raise invalid("response_format", "response_format cannot be combined with tool_choice 'required' or a "
-                          "named function (the call's own schema constrains the output)")
+            field = kw["_structured_field"]
+            raise invalid(field, f"{field} cannot be combined with tool_choice 'required' or a named function (the "
+                          "call's own schema constrains the output)")
         if "json_schema" not in engine_args:
             raise unsupported("tool_choice", " (the engine has no json_schema)")
         kw["json_schema"] = call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)
@@ -565,10 +435,6 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
     for field, neutral, arg in (("min_p", 0, "min_p"), ("repetition_penalty", 1, "repetition_penalty")):
         if getattr(body, field) not in (None, neutral) and arg not in engine_args:
             raise unsupported(field)
-    if body.skip_special_tokens is False:
-        raise unsupported("skip_special_tokens", " = false (special tokens are always left out of the text)")
-    if body.include_stop_str_in_output:
-        raise unsupported("include_stop_str_in_output", " = true (the text always ends before a stop string)")
     logprobs = body.logprobs if isinstance(body, CompletionBody) else (body.top_logprobs if body.logprobs else None)
     if logprobs is not None and "logprobs" not in engine_args:
         raise unsupported("logprobs")
@@ -581,12 +447,14 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
             raise invalid("max_tokens", "max_tokens must be >= 1; 0 is allowed only with echo=true (the prompt "
                           "alone); got 0")
         if body.suffix:
-            raise unsupported("suffix")
+            raise unsupported("suffix", " (fill-in-the-middle needs a model trained for it and its template)")
         if body.best_of not in (None, 1):
-            raise unsupported("best_of", " (only best_of=1)")
+            raise unsupported("best_of", " > 1 (ask for n choices and pick among them; their logprobs say how "
+                              "likely each is)")
     else:
         assert isinstance(body, ChatCompletionBody)
-        rf = body.response_format
-        if rf is not None and rf.get("type", "text") not in ("text", "json_object", "json_schema"):
-            raise invalid("response_format", "response_format.type must be 'text', 'json_object' or 'json_schema'; "
-                          f"got {_short(rf.get('type'))}")
+        if body.web_search_options is not None:
+            raise unsupported("web_search_options", " (nothing searches the web here)")
+        if body.audio is not None or (body.modalities and body.modalities != ["text"]):
+            raise unsupported("audio", " (this server answers with text)")
+

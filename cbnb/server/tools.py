@@ -125,17 +125,28 @@ def template_ignores_tools(tokenizer: Any, messages: list[dict], tools: list[dic
     return plain == with_tools
 
 
-def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """Token ids of a chat with `tools` (see the module docstring). Raises what the template raises."""
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, options: Any = None) -> list[int]:
+    """Token ids of a chat with `tools` (see the module docstring), rendered with `options` (a
+    `cbnb.server.extras.TemplateOptions`: vLLM's template fields; None: the defaults). Raises what the template
+    raises."""
+    kw: dict[str, Any] = {"add_generation_prompt": True}
+    if options is not None:
+        kw = {"add_generation_prompt": options.add_generation_prompt, **options.kwargs}
+        if options.continue_final_message:
+            kw["continue_final_message"] = True
+        if options.chat_template is not None:
+            kw["chat_template"] = options.chat_template
     if not tools:
         msgs = _template_messages(messages)
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     elif template_ignores_tools(tokenizer, messages, tools):
-        out = tokenizer.apply_chat_template(_fallback_messages(messages, tools), add_generation_prompt=True,
-                                            tokenize=True)
+        msgs = _fallback_messages(messages, tools)
     else:
-        out = tokenizer.apply_chat_template(_template_messages(messages), tools=tools, add_generation_prompt=True,
-                                            tokenize=True)
+        msgs = _template_messages(messages)
+        kw["tools"] = tools
+    if options is not None and options.add_special_tokens:  # vLLM's chat add_special_tokens: BOS added too
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    out = tokenizer.apply_chat_template(msgs, tokenize=True, **kw)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 

@@ -103,9 +103,12 @@ def test_prefill_kernel_matches_causal_sdpa_per_row(H, Hkv, D, P, spread):
     scale = D ** -0.5
     cpu_kernels.paged_prefill(q, k_pages, v_pages, rows, starts, counts, tables, scale, out)
     ref = _prefill_reference(q, k_pages, v_pages, rows, starts, counts, tables, scale)
+    # Scores `spread` times larger carry `spread` times larger float32 rounding into their exponentials (SDPA's
+    # reductions on an AVX-512 Xeon differed from the kernel by 1.3e-5 at spread 40).
+    tol = 1e-5 * max(1.0, spread / 4)
     for r in range(T):
         if r in ref:
-            torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[r], ref[r], rtol=tol, atol=tol)
         else:
             assert torch.all(out[r] == 7.0), "rows outside the chunks must be left untouched"
 

@@ -258,7 +258,8 @@ def test_disconnect_while_waiting_for_a_plain_response_cancels():
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
             wait_until(lambda: server.counters()["in_flight"] == 1, what="the request to start")
-        rid = wait_until(lambda: next((o.request_id for o in engine.requests_snapshot()), None))
+            # in the engine before the client goes (else a loaded machine can see it leave while tokenizing)
+            rid = wait_until(lambda: next((o.request_id for o in engine.requests_snapshot()), None))
         out = wait_until(lambda: ended(engine, rid), timeout=10, what="the request to end after the disconnect")
         assert out.state == cbnb.RequestState.CANCELLED and len(out.token_ids) < 900
         assert_no_blocks(engine, rid)
