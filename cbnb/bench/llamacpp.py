@@ -39,7 +39,7 @@ from .peers import LONE_NEW_TOKENS, PeerResult
 
 __all__ = ["PEERS", "BUILD_COMMAND", "LONE_NEW_TOKENS", "llamacpp_dir", "server_binary", "gguf_path",
            "missing", "completion_request", "parse_completion", "parse_stream", "context_size", "LlamaServer",
-           "run_llamacpp"]
+           "ServerCrashed", "NO_REPACK", "run_llamacpp"]
 
 #: Peer name -> what its GGUF holds.
 PEERS = {"llama-cpp": "F32 GGUF of cbnb's float32 weights", "llama-cpp-q4_1": "the shipped Q4_1 GGUF"}
@@ -154,6 +154,16 @@ def context_size(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
     return parallel * (-(-longest // 256) * 256)
 
 
+#: The flag that keeps llama.cpp's weights in their file's layout: no repacking into its extra buffer types (AMX,
+#: AVX-512 tiles). The peers add it when the server crashes at start without it: on 2026-12-06's Xeon (AMX_INT8) the
+#: Q4_1 file's AMX buffer crashed `llama-server` with SIGSEGV right after its thread pool started, every time.
+NO_REPACK = "--no-repack"
+
+
+class ServerCrashed(RuntimeError):
+    """llama-server was killed by a signal while it started."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,19 +179,23 @@ class LlamaServer:
         parallel: ``-np`` (slots; continuous batching over them).
         ctx: ``-c`` (tokens, split evenly over the slots).
         launcher: the command that runs the server (default: [`server_binary()`]); tests put a fake there.
+        extra_args: more server flags (e.g. `NO_REPACK`).
         ready_timeout_s: seconds to wait for ``/health`` to answer 200.
 
     Raises (on entering):
+        ServerCrashed: the process was killed by a signal while starting (with the end of its log).
         RuntimeError: the process exited or did not get ready in time (with the end of its log).
     """
 
     def __init__(self, gguf: str | os.PathLike, *, threads: int, parallel: int, ctx: int,
-                 launcher: Sequence[str] | None = None, ready_timeout_s: float = 300.0) -> None:
+                 launcher: Sequence[str] | None = None, extra_args: Sequence[str] = (),
+                 ready_timeout_s: float = 300.0) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         exe = list(launcher) if launcher else [str(server_binary())]
         self.argv = exe + ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
-                           "-c", str(ctx), "--cont-batching", "--host", "127.0.0.1", "--port", str(self.port)]
+                           "-c", str(ctx), "--cont-batching", *extra_args, "--host", "127.0.0.1",
+                           "--port", str(self.port)]
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
@@ -191,7 +205,8 @@ class LlamaServer:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {self.proc.returncode}: {self.log_tail()}")
+                kind = ServerCrashed if self.proc.returncode < 0 else RuntimeError
+                raise kind(f"llama-server exited with code {self.proc.returncode}: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -276,6 +291,24 @@ def lone_itl(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
+@contextlib.contextmanager
+def _started(gguf: Any, threads: int, n: int, extra: dict[str, Any],
+             launcher: Sequence[str] | None) -> Iterator[LlamaServer]:
+    """A started server, stopped on exit; when it crashes at start, a second one with `NO_REPACK` serves
+    (``extra["fallback"]`` says why)."""
+    try:
+        srv = LlamaServer(gguf, threads=threads, parallel=n, ctx=extra["ctx"], launcher=launcher).__enter__()
+    except ServerCrashed as e:
+        extra["fallback"] = f"{NO_REPACK}: without it {str(e).splitlines()[0][:120]}"
+        srv = LlamaServer(gguf, threads=threads, parallel=n, ctx=extra["ctx"], launcher=launcher,
+                          extra_args=[NO_REPACK]).__enter__()
+    extra["argv"] = srv.argv
+    try:
+        yield srv
+    finally:
+        srv.__exit__()
+
+
 def run_llamacpp(name: str, workload: Any, *, threads: int, model: str = _MODEL,
                  lone: list[list[int]] | None = None, launcher: Sequence[str] | None = None,
                  gguf: str | os.PathLike | None = None, timeout_s: float = 3600.0) -> PeerResult:
@@ -283,8 +316,9 @@ def run_llamacpp(name: str, workload: Any, *, threads: int, model: str = _MODEL,
     ``max_new_tokens``) with ``threads`` server threads; the result's tokens are per request, in prompt order.
 
     A missing build or GGUF, a server that does not start, or a failed request gives a result with `error` set.
-    `launcher` replaces the server binary and `gguf` the peer's file (tests). With `lone` prompts, ``extra["lone_ttft_s"]`` and
-    ``extra["lone_itl_s"]`` hold each lone streamed request's first-token seconds and its inter-token gaps.
+    `launcher` replaces the server binary and `gguf` the peer's file (tests). With `lone` prompts,
+    ``extra["lone_ttft_s"]`` and ``extra["lone_itl_s"]`` hold each lone streamed request's first-token seconds and
+    its inter-token gaps.
     """
     if launcher is None:
         why = missing(name, model)
@@ -297,8 +331,7 @@ def run_llamacpp(name: str, workload: Any, *, threads: int, model: str = _MODEL,
     extra: dict[str, Any] = {"gguf": str(gguf), "threads": threads, "parallel": n,
                              "ctx": context_size(prompts, gens, n)}
     try:
-        with LlamaServer(gguf, threads=threads, parallel=n, ctx=extra["ctx"], launcher=launcher) as srv:
-            extra["argv"] = srv.argv
+        with _started(gguf, threads, n, extra, launcher) as srv:
             srv.complete(prompts[0][:8], 2)  # warm-up
             with _RssPeak(srv.proc.pid) as mem, ThreadPoolExecutor(max_workers=n) as pool:
                 t0 = time.perf_counter()

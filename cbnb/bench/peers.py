@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["PEERS", "LONE_NEW_TOKENS", "PeerResult", "run_cbnb", "run_hf_cb", "run_hf_static", "run_variant", "agreement",
+__all__ = ["PEERS", "LONE_NEW_TOKENS", "PeerResult",
+           "run_cbnb", "run_hf_cb", "run_hf_static", "run_variant", "agreement",
            "lone_prompts", "release_memory", "guard"]
 
 PEERS = ("cbnb", "hf-cb", "hf-static", "llama-cpp", "llama-cpp-q4_1")

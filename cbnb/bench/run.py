@@ -98,7 +98,8 @@ def _result_dict(r: PeerResult, base: PeerResult | None) -> dict[str, Any]:
         "greedy_agreement_vs_first": agreement(base, r) if base is not None else None,
         "tokens": r.tokens,
     }
-    keep = ("stats", "batch_size", "variant", "lone_ttft_s", "lone_itl_s", "compile", "grammar", "gguf", "argv")
+    keep = ("stats", "batch_size", "variant", "lone_ttft_s", "lone_itl_s", "compile", "grammar", "gguf", "argv",
+            "fallback")
     d.update({k: v for k, v in r.extra.items() if k in keep})
     return d
 

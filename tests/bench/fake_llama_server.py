@@ -3,7 +3,9 @@
 
 Its greedy "model": the i-th generated token of a prompt is ``(sum(prompt) + i) % 1000 + 32`` (`answer`). It answers
 503 on ``/health`` for its first two polls (a model still loading), and 400 with an ``error`` when a request lacks
-the fields the bench must send. ``FAKE_LLAMA_ARGV`` (a path): where it writes its argv as JSON.
+the fields the bench must send. ``FAKE_LLAMA_ARGV`` (a path): where it writes its argv as JSON. With
+``FAKE_LLAMA_CRASH=1`` it kills itself with SIGSEGV at start unless given ``--no-repack`` (as llama.cpp's AMX
+buffer did on a Xeon).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -68,10 +71,14 @@ def main() -> None:
     for flag in ("-m", "-t", "-tb", "-np", "-c", "--host", "--port"):
         ap.add_argument(flag, required=True)
     ap.add_argument("--cont-batching", action="store_true")
+    ap.add_argument("--no-repack", action="store_true")
     args = ap.parse_args()
     if os.environ.get("FAKE_LLAMA_ARGV"):
         with open(os.environ["FAKE_LLAMA_ARGV"], "w") as f:
             json.dump(sys.argv[1:], f)
+    if os.environ.get("FAKE_LLAMA_CRASH") == "1" and not args.no_repack:
+        print("init: llama threadpool init, n_threads = 2", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
     ThreadingHTTPServer((args.host, int(args.port)), Handler).serve_forever()
 
 

@@ -110,6 +110,19 @@ def test_a_server_that_exits_is_an_error_with_its_log(tmp_path):
     assert "exited with code 3" in r.error and "unknown model format" in r.error and r.tokens == []
 
 
+def test_a_server_crashing_at_start_is_restarted_without_repacking(tmp_path, monkeypatch):
+    argv_file = tmp_path / "argv.json"
+    monkeypatch.setenv("FAKE_LLAMA_ARGV", str(argv_file))
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "1")
+    wl = SimpleNamespace(prompts=[[40, 41], [42]], max_new_tokens=[3, 2])
+    r = llamacpp.run_llamacpp("llama-cpp-q4_1", wl, threads=1, gguf=tmp_path / "q.gguf",
+                              launcher=[sys.executable, str(FAKE)])
+    assert r.error is None, r.error
+    assert r.tokens == [answer(p, n) for p, n in zip(wl.prompts, wl.max_new_tokens)]
+    assert llamacpp.NO_REPACK in json.loads(argv_file.read_text()) and llamacpp.NO_REPACK in r.extra["argv"]
+    assert r.extra["fallback"].startswith("--no-repack: without it llama-server exited with code -11")
+
+
 def test_bench_with_llama_cpp_peers(tmp_path, monkeypatch, capsys):
     """`python -m cbnb.bench --peers cbnb,llama-cpp,llama-cpp-q4_1`: the built peer runs in the rounds (here the fake),
     a missing one reports the build command instead of failing the run."""
@@ -138,4 +151,4 @@ def test_bench_with_llama_cpp_peers(tmp_path, monkeypatch, capsys):
     assert rep["summary"]["cbnb"]["lone_itl_s"]["n"] == 2 * (llamacpp.LONE_NEW_TOKENS - 1)
     q4 = rep["summary"]["llama-cpp-q4_1"]
     assert q4["tok_per_s"]["n"] == 0 and all("serve smollm2-135m only" in e for e in q4["errors"])
-    assert "llama-cpp" in out.out and "lone ITL ms" in out.out
+    assert "llama-cpp" in out.out and "lone ITL ms" in out.out and "ran with" not in out.out
