@@ -76,7 +76,8 @@ class ServerContext:
         self.counters = ServerCounters()
         self.collector = EngineCollector(engine, self.counters, connections)
         self.model_name = settings.model_name or model_name_of(engine)
-        self.aliases = [a for a in model_aliases_of(engine) if a != self.model_name]
+        self.aliases = [a for a in dict.fromkeys([*settings.model_aliases, *model_aliases_of(engine)])
+                        if a != self.model_name]
         self.token_text = TokenText(getattr(engine, "tokenizer", None))
         self.engine_args = submit_keywords(engine)  # what the engine honours (`cbnb.engine.engine_like`)
         self.live: dict[str, Any] = {}  # request id -> handle, for the requests this server submitted
@@ -92,7 +93,10 @@ class ServerContext:
 
     @property
     def max_positions(self) -> int | None:
-        return getattr(self.engine, "max_positions", None)
+        """Prompt plus generated tokens at most: the model's context, or `max_model_len` when it is set."""
+        model = getattr(self.engine, "max_positions", None)
+        cap = self.settings.max_model_len
+        return model if cap is None else cap if model is None else min(model, cap)
 
     @property
     def model_ids(self) -> list[str]:
@@ -439,7 +443,8 @@ async def _start(ctx: ServerContext, request: Request, g: GenerationRequest) -> 
     slot = Slot(ctx.counters, peer.host if peer is not None else "unknown")  # clients: distinct addresses
     handles: list[Any] = []
     try:
-        prompts = await until_disconnect(request.receive, ctx.run_blocking(_encode_all, ctx.engine, g))
+        prompts = await until_disconnect(request.receive,
+                                         ctx.run_blocking(_encode_all, ctx.engine, g, ctx.max_positions))
         limits = [_check_lengths(ctx, g, len(ids), i if len(prompts) > 1 else None) for i, ids in enumerate(prompts)]
         if g.max_tokens == 0:  # echo alone: the engine generates one token, which the answer leaves out
             limits = [1] * len(limits)
@@ -497,8 +502,9 @@ def _check_engine(ctx: ServerContext) -> None:
         raise ApiError(503, f"{why}: no request is accepted", type="server_error", code="engine_unavailable")
 
 
-def _encode_all(engine: Any, g: GenerationRequest) -> list[list[int]]:
-    """Token ids of each prompt (on the worker thread; there too, the first grammar's one-time tokenizer build)."""
+def _encode_all(engine: Any, g: GenerationRequest, ctx_len: int | None) -> list[list[int]]:
+    """Token ids of each prompt (on the worker thread; there too, the first grammar's one-time tokenizer build);
+    `ctx_len`: the served context (`ServerContext.max_positions`), for ``truncate_prompt_tokens=-1``."""
     field = "prompt" if g.kind == "completion" else "messages"
     if "response_format" in g.submit_kwargs or "json_schema" in g.submit_kwargs:
         try:
@@ -519,7 +525,7 @@ def _encode_all(engine: Any, g: GenerationRequest) -> list[list[int]]:
         except Exception as e:  # tokenizer or chat-template errors are the request's problem
             raise protocol.invalid(where, f"cannot tokenize {where}: {e}") from None
         if g.truncate is not None:  # vLLM's truncate_prompt_tokens: the last k tokens (-1: the context)
-            keep = g.truncate if g.truncate >= 0 else (getattr(engine, "max_positions", None) or len(ids))
+            keep = g.truncate if g.truncate >= 0 else (ctx_len or len(ids))
             if keep == 0:
                 raise protocol.invalid("truncate_prompt_tokens", "truncate_prompt_tokens=0 leaves no prompt; give "
                                        "k >= 1 (the prompt's last k tokens) or -1 (the model's context)")
@@ -559,7 +565,8 @@ def _check_lengths(ctx: ServerContext, g: GenerationRequest, n_prompt: int, inde
         field = f"{field}[{index}]"
     limit = s.max_prompt_tokens or (ctx_len - 1 if ctx_len else None)
     if limit is not None and n_prompt > limit:
-        src = "max_prompt_tokens" if s.max_prompt_tokens else "the model's context minus one"
+        src = "max_prompt_tokens" if s.max_prompt_tokens else (
+            "max_model_len minus one" if s.max_model_len else "the model's context minus one")
         raise protocol.invalid(field, f"{field} is {n_prompt} tokens; the limit is {limit} ({src})",
                                "context_length_exceeded")
     cap = s.max_tokens_limit
@@ -567,7 +574,8 @@ def _check_lengths(ctx: ServerContext, g: GenerationRequest, n_prompt: int, inde
         raise protocol.invalid("max_tokens", f"max_tokens must be in [1, {cap}] (max_tokens_limit); got {g.max_tokens}")
     room = ctx_len - n_prompt if ctx_len else None
     if g.max_tokens is not None and room is not None and g.max_tokens > room:
-        raise protocol.invalid("max_tokens", f"this model's context is {ctx_len} tokens: {n_prompt} in the "
+        what = "max_model_len" if s.max_model_len == ctx_len else "this model's context"
+        raise protocol.invalid("max_tokens", f"{what} is {ctx_len} tokens: {n_prompt} in the "
                                f"{field} leave room for at most {room} (max_tokens); got {g.max_tokens}",
                                "context_length_exceeded")
     if g.max_tokens is not None:

@@ -8,7 +8,9 @@
 MODEL is anything `cbnb.load_model` takes: a bundled name (``smollm2-135m``, ``gemma3-270m``), ``tiny:llama``-style
 test models, a local folder, or a hub id where the hub is reachable. The engine's settings are transformers'
 `ContinuousBatchingConfig` fields as flags (``--page-size``, ``--max-batch-tokens``, ...; booleans also as
-``--no-...``), and vLLM's spellings of the same knobs are accepted as aliases (`VLLM_ALIASES`). Serving settings
+``--no-...``), and vLLM's spellings of the same knobs are accepted as aliases (`VLLM_ALIASES`); vLLM's flags that
+change nothing here are accepted with a notice (`_IGNORED_VLLM`), its parallelism flags only at 1, and
+``--max-model-len`` bounds prompt plus generated tokens as in vLLM. Serving settings
 are `engine.serve()`'s, with the same safety defaults: 127.0.0.1, and an API key required on any other address
 (``--allow-unauthenticated`` to go without, with a warning).
 
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -48,9 +52,17 @@ VLLM_ALIASES: dict[str, tuple[str, str]] = {
 # Config fields not offered as flags: compile configs (objects) and transformers' deprecated fields.
 _SKIPPED = {"varlen_compile_config", "decode_compile_config", "use_default_compile_configs", "max_cached_graphs",
             "block_size"}
-# vLLM's serving flags that are cbnb serving settings or that cbnb takes and ignores (one GPU, no remote code).
+# vLLM's flags that change nothing here: accepted, with a notice at start (flag -> why).
 _IGNORED_VLLM = {"--trust-remote-code": "cbnb loads models with transformers' own classes",
-                 "--disable-log-requests": "cbnb logs no requests", "--disable-log-stats": "cbnb logs no stats"}
+                 "--disable-log-requests": "cbnb logs no requests", "--enable-log-requests": "cbnb logs no requests",
+                 "--disable-log-stats": "cbnb logs no stats",
+                 "--enable-chunked-prefill": "cbnb always splits long prompts into chunks of --max-batch-tokens",
+                 "--enable-auto-tool-choice": "cbnb always reads tool calls from the answer (tool_choice 'auto')",
+                 "--disable-uvicorn-access-log": "cbnb logs no requests"}
+_IGNORED_VLLM_VALUES = {"--tool-call-parser": "cbnb reads tool calls itself (bare JSON and <tool_call> blocks)",
+                        "--uvicorn-log-level": "cbnb logs warnings only"}
+# vLLM's parallelism flags: cbnb serves on one device, so only 1 is accepted (flag -> short spelling).
+_PARALLEL_VLLM = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp"}
 
 
 def _field_type(f: dataclasses.Field) -> Any:
@@ -70,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cbnb serve", description="Serve a model over an OpenAI-compatible HTTP API (a drop-in for `vllm "
         "serve`). Ctrl-C or SIGTERM drains the requests in flight and exits.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", help="a bundled name (smollm2-135m, gemma3-270m), a tiny:NAME test model, a local "
-                   "folder or a hub id")
+    p.add_argument("model", nargs="?", help="a bundled name (smollm2-135m, gemma3-270m), a tiny:NAME test model, "
+                   "a local folder or a hub id")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                   help="the same as the positional MODEL (vLLM's older spelling)")
     s = p.add_argument_group("serving (engine.serve's settings)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind; any non-loopback one needs --api-key")
     s.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one)")
@@ -79,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients send 'Authorization: Bearer <key>' (default: $CBNB_API_KEY)")
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="bind a non-loopback address without an API key (anyone reaching the port can use it)")
-    s.add_argument("--served-model-name", dest="model_name", default=None,
-                   help="the model id clients name (default: the model's folder or bundled name)")
+    s.add_argument("--served-model-name", dest="model_names", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients name (default: the model's folder or bundled name); as in vLLM, "
+                   "several names are all accepted and the first is the one listed first")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="largest prompt (default: the context - 1)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
     s.add_argument("--max-concurrent-requests", type=int, default=256, help="requests in flight (429 above)")
@@ -91,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a GPU); vLLM's 'auto' is the default")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     m.add_argument("--tokenizer", default=None, help="a tokenizer folder or hub id (default: the model's)")
+    m.add_argument("--chat-template", default=None, help="the chat template (Jinja) for /v1/chat/completions "
+                   "and /v1/responses: a file, or the template itself (default: the tokenizer's)")
     c = p.add_argument_group("engine (transformers' ContinuousBatchingConfig fields; vLLM's flags as aliases)")
     fields = {f.name: f for f in dataclasses.fields(ContinuousBatchingConfig)}
     aliases: dict[str, list[str]] = {}
@@ -118,11 +135,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fcfs = --scheduler-type vllm (vLLM V1's scheduling policy, in cbnb's core; cbnb has no "
                    "priority policy)")
     v.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt plus generated tokens at most (sets --max-prompt-tokens and --max-tokens-limit "
-                   "when they are not given)")
+                   help="prompt plus generated tokens at most, at most the model's context (default: the model's "
+                   "context); /v1/models reports it")
     for flag, why in _IGNORED_VLLM.items():
         v.add_argument(flag, action="store_true", help=f"accepted and ignored: {why}")
+    for flag, why in _IGNORED_VLLM_VALUES.items():
+        v.add_argument(flag, default=None, help=f"accepted and ignored: {why}")
+    for flag, short in _PARALLEL_VLLM.items():
+        v.add_argument(flag, short, type=int, default=1, help="cbnb serves on one device: only 1")
     return p
+
+
+def _flag_of(field: str, argv: Sequence[str]) -> str | None:
+    """The flag the user typed for config field `field` (its own or a vLLM alias), for error messages."""
+    flags = [f"--{field.replace('_', '-')}", *(f for f, (name, _) in VLLM_ALIASES.items() if name == field)]
+    flags += {"allow_block_sharing": ["--enable-prefix-caching", "--no-enable-prefix-caching"],
+              "use_async_batching": ["--async-scheduling", "--no-async-scheduling"]}.get(field, [])
+    for a in argv:
+        if a.split("=", 1)[0] in flags:
+            return a.split("=", 1)[0]
+    return None
+
+
+def _notices(args: argparse.Namespace) -> list[str]:
+    """One line for each vLLM flag given that changes nothing here."""
+    out = [f"{flag} is accepted and changes nothing: {why}" for flag, why in _IGNORED_VLLM.items()
+           if getattr(args, flag[2:].replace("-", "_"))]
+    out += [f"{flag} is accepted and changes nothing: {why}" for flag, why in _IGNORED_VLLM_VALUES.items()
+            if getattr(args, flag[2:].replace("-", "_")) is not None]
+    return out
 
 
 def config_of(args: argparse.Namespace) -> Any:
@@ -145,22 +186,69 @@ def config_of(args: argparse.Namespace) -> Any:
     return ContinuousBatchingConfig(**given)
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now, as the server binds it (SO_REUSEADDR: TIME_WAIT does not count)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE  # another error (a bad host) is the server's to report
+    return True
+
+
+def _template_text(value: str) -> str:
+    """The Jinja text of ``--chat-template``: a file's content, or `value` itself when it holds Jinja markup.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: no such file, and `value` is no template either.
+    """
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"no file {value!r}, and it is no Jinja template either (no '{{{{' or '{{%')")
+
+
 def _snippet(url: str, model: str, key: str | None) -> str:
-    return (f"python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}', api_key='{key or 'none'}'); "
-            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
-            "max_tokens=32).choices[0].message.content)\"")
+    """A one-line openai call to the server. The key itself is never printed (consoles end up in logs and
+    screenshots): the snippet reads it from $CBNB_API_KEY, as the dashboard's snippets do."""
+    api_key = "os.environ['CBNB_API_KEY']" if key else "'none'"
+    return (f"python -c \"{'import os; ' if key else ''}from openai import OpenAI; c = OpenAI(base_url='{url}', "
+            f"api_key={api_key}); print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', "
+            "'content': 'Hello'}], max_tokens=32).choices[0].message.content)\"" + (
+                "   (with CBNB_API_KEY set to the key)" if key else ""))
 
 
 def _load(args: argparse.Namespace) -> Any:
     from ..engine.engine import Engine
     from ..engine.models import load_model
 
-    model, tok = load_model(args.model, dtype=args.dtype if args.dtype not in (None, "auto") else None,
-                            device=args.device)
+    dtype = args.dtype if args.dtype not in (None, "auto") else None
+    try:
+        model, tok = load_model(args.model, dtype=dtype, device=args.device)
+    except (OSError, ValueError) as e:
+        from .app import HF_IDS
+
+        bundled = {hf: name for name, hf in HF_IDS.items()}.get(args.model)
+        if bundled is None:
+            raise
+        # `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct` offline: cbnb ships that model, so serve its copy
+        print(f"cbnb: cannot fetch {args.model} from the hub ({str(e).splitlines()[0][:160]}); serving the "
+              f"bundled copy of the same model, {bundled}", file=sys.stderr, flush=True)
+        model, tok = load_model(bundled, dtype=dtype, device=args.device)
+        if getattr(args, "model_name", None) is None:
+            args.model_name = args.model  # clients name the id they gave, as with vLLM
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.chat_template is not None:
+        if tok is None:
+            raise ValueError("--chat-template needs a tokenizer, and this model has none (give --tokenizer)")
+        tok.chat_template = args.chat_template
     return Engine(model, tokenizer=tok, config=config_of(args))
 
 
@@ -171,18 +259,43 @@ def serve_main(argv: Sequence[str]) -> int:
     from .settings import ServerSettings
 
     parser = build_parser()
-    args = parser.parse_args(list(argv))
-    if args.max_model_len is not None:
-        args.max_prompt_tokens = args.max_prompt_tokens or args.max_model_len - 1
-        args.max_tokens_limit = args.max_tokens_limit or args.max_model_len
+    argv = list(argv)
+    args = parser.parse_args(argv)
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        parser.error(f"two models: {args.model!r} and --model {args.model_flag!r}; give one")
+    args.model = args.model or args.model_flag
+    args.model_name, args.model_aliases = (args.model_names[0], tuple(args.model_names[1:])) if (
+        args.model_names) else (None, ())
+    if args.model is None:
+        parser.error("the model is missing: cbnb serve MODEL (a bundled name, a local folder or a hub id)" + (
+            "; --served-model-name takes every name after it, so give MODEL first" if args.model_names else ""))
+    for flag, short in _PARALLEL_VLLM.items():
+        if getattr(args, flag[2:].replace("-", "_")) != 1:
+            parser.error(f"{flag} ({short}) must be 1: cbnb serves a model on one device")
     try:  # settings and config first: a bad flag fails before the model loads
         ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                        allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name,
-                       max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                       model_aliases=args.model_aliases, max_prompt_tokens=args.max_prompt_tokens,
+                       max_tokens_limit=args.max_tokens_limit, max_model_len=args.max_model_len,
                        max_concurrent_requests=args.max_concurrent_requests)
         config_of(args)
     except ValueError as e:
-        parser.error(str(e))
+        msg = str(e)
+        field = msg.split(" ", 1)[0].removeprefix("ContinuousBatchingConfig.")
+        flag = _flag_of(field, argv) or (f"--{field.replace('_', '-')}" if field in (
+            "port", "max_model_len", "max_prompt_tokens", "max_tokens_limit", "max_concurrent_requests") else None)
+        parser.error(f"{flag}: {msg}" if flag and flag not in msg else msg)
+    if args.chat_template is not None:  # vLLM's --chat-template: a file, or the template itself
+        try:
+            args.chat_template = _template_text(args.chat_template)
+        except (OSError, ValueError) as e:
+            parser.error(f"--chat-template: {e}")
+    if args.port and not _port_free(args.host, args.port):  # before a load that may take minutes
+        print(f"cbnb serve: error: port {args.port} on {args.host} is in use by another program: stop it, or pass "
+              "another --port (--port 0 picks a free one)", file=sys.stderr, flush=True)
+        return 1
+    for line in _notices(args):
+        print(f"cbnb: {line}", file=sys.stderr, flush=True)
     stop = threading.Event()
     signals = {"n": 0}
 
@@ -203,10 +316,20 @@ def serve_main(argv: Sequence[str]) -> int:
         return 1
     server = None
     try:
-        server = serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-                       allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name or
-                       _default_name(args.model), max_prompt_tokens=args.max_prompt_tokens,
-                       max_tokens_limit=args.max_tokens_limit, max_concurrent_requests=args.max_concurrent_requests)
+        try:
+            server = serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+                           allow_unauthenticated=args.allow_unauthenticated, model_name=args.model_name or
+                           _default_name(args.model), model_aliases=args.model_aliases,
+                           max_prompt_tokens=args.max_prompt_tokens,
+                           max_tokens_limit=args.max_tokens_limit, max_model_len=args.max_model_len,
+                           max_concurrent_requests=args.max_concurrent_requests)
+        except ValueError as e:  # a setting that needs the model to check (--max-model-len above its context)
+            print(f"cbnb serve: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        except OSError as e:  # the port is taken: the reason, not a traceback
+            why = (e.strerror or str(e)).replace("port=0 picks", "--port 0 picks")
+            print(f"cbnb serve: error: {why}", file=sys.stderr, flush=True)
+            return 1
         print(f"cbnb: serving {server.model_name} at {server.url} (loaded in {time.monotonic() - t0:.1f} s; "
               "Ctrl-C to stop)", flush=True)
         print(f"cbnb: try  {_snippet(server.url, server.model_name, args.api_key)}", flush=True)

@@ -4,11 +4,13 @@ Structured output. Every spelling becomes the engine's one `response_format` (ll
 `cbnb.engine.structured`), so a request carries at most one of them (400 naming the second otherwise):
 
 - OpenAI's ``response_format`` (``json_object``, ``json_schema``), on chat and, as vLLM, on completions;
-- vLLM's older ``guided_json`` (a schema, as an object or JSON text), ``guided_regex``, ``guided_choice`` (a list of
+- vLLM's older ``guided_json`` (a schema, as an object or JSON text; its objects closed, as vLLM's default backend
+  builds them: an object that lists ``properties`` takes no other), ``guided_regex``, ``guided_choice`` (a list of
   strings), ``guided_grammar`` (GBNF or Lark);
 - vLLM's ``structured_outputs``: an object with exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object`` (true), plus the options ``disable_any_whitespace`` (JSON here never has free whitespace, so it
-  changes nothing), ``disable_additional_properties`` (objects take only the properties they list),
+  changes nothing), ``disable_additional_properties`` (objects always take only the properties they list, here as
+  with vLLM's default backend, xgrammar: the option exists in vLLM to make its guidance backend do the same),
   ``disable_fallback`` and ``backend`` (llguidance is the one backend); ``whitespace_pattern`` and
   ``structural_tag`` are refused (not supported yet). ``guided_decoding_backend`` is accepted and changes nothing.
 
@@ -81,7 +83,9 @@ def _structured_outputs(so: dict) -> dict:
             raise FieldError(f"{p}.json_object", f"{p}.json_object must be true; got {v!r}")
         return {"type": "json_object"}
     if kind == "json":
-        return _schema_form(v, f"{p}.json", "structured_outputs", bool(so.get("disable_additional_properties")))
+        # closed objects, as vLLM's default backend (xgrammar) builds them; disable_additional_properties exists
+        # in vLLM to make its guidance backend do the same, so it changes nothing here
+        return _schema_form(v, f"{p}.json", "structured_outputs", strict=True)
     return {"type": kind, kind: v}
 
 
@@ -114,7 +118,7 @@ def structured_format(body: Any) -> tuple[str, dict] | None:
                              f"'json_schema'; got {json.dumps(kind) if isinstance(kind, str) else type(kind).__name__}")
         return field, rf
     if field == "guided_json":
-        return field, _schema_form(body.guided_json, "guided_json", "guided_json")
+        return field, _schema_form(body.guided_json, "guided_json", "guided_json", strict=True)  # closed, as vLLM
     if field == "guided_regex":
         return field, {"type": "regex", "regex": body.guided_regex}
     if field == "guided_choice":

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 from .settings import ServerSettings
 
@@ -301,30 +301,37 @@ class Server:
 
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          allow_unauthenticated: bool = False, model_name: str | None = None, max_body_bytes: int = 1 << 20,
+          allow_unauthenticated: bool = False, model_name: str | None = None,
+          model_aliases: Sequence[str] = (), max_body_bytes: int = 1 << 20,
           max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
-          max_concurrent_requests: int = 256, graceful_shutdown_s: float = 3.0) -> Server:
+          max_model_len: int | None = None, max_concurrent_requests: int = 256,
+          graceful_shutdown_s: float = 3.0) -> Server:
     """Serve `engine` over an OpenAI-compatible HTTP API from a background thread; returns the running `Server`.
 
     Args:
         engine: a `cbnb.Engine` (started if it was never started).
-        host, port, api_key, allow_unauthenticated, model_name, max_body_bytes, max_prompt_tokens,
-        max_tokens_limit, max_concurrent_requests, graceful_shutdown_s: see `ServerSettings`.
+        host, port, api_key, allow_unauthenticated, model_name, model_aliases, max_body_bytes, max_prompt_tokens,
+        max_tokens_limit, max_model_len, max_concurrent_requests, graceful_shutdown_s: see `ServerSettings`.
 
     A server that this process already runs on `port` is stopped first (re-running a cell replaces it). The
     running server holds `engine` (see the module docstring for the lifetime rule). `engine.serve(...)` calls this.
 
     Raises:
         ImportError: without the web stack: ``pip install 'cbnb[serve]'``.
-        ValueError: bad settings, or a non-loopback `host` without `api_key` / `allow_unauthenticated`.
+        ValueError: bad settings, a non-loopback `host` without `api_key` / `allow_unauthenticated`, or a
+            `max_model_len` above the model's context.
         OSError: when another program holds the port.
     """
     _require_stack()
     settings = ServerSettings(host=host, port=port, api_key=api_key, allow_unauthenticated=allow_unauthenticated,
-                              model_name=model_name, max_body_bytes=max_body_bytes,
+                              model_name=model_name, model_aliases=tuple(model_aliases),
+                              max_body_bytes=max_body_bytes,
                               max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
-                              max_concurrent_requests=max_concurrent_requests,
+                              max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                               graceful_shutdown_s=graceful_shutdown_s)
+    ctx_len = getattr(engine, "max_positions", None)
+    if max_model_len is not None and ctx_len is not None and max_model_len > ctx_len:
+        raise ValueError(f"max_model_len ({max_model_len}) is greater than the model's context ({ctx_len} tokens)")
     if port:
         with _LOCK:
             old = _SERVERS.get(port)

@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from .extras import FieldError, TemplateOptions, structured_format
 # the schemas (and field lists) live in `schemas`; importable from here as before
 from .schemas import (GREEDY_BELOW, INT64, MAX_CHOICES, METADATA_FIELDS, VLLM_CHAT_FIELDS, VLLM_FIELDS,  # noqa: F401
-                      ChatCompletionBody, ChatMessage, CompletionBody, DetokenizeBody, TokenizeBody, _Body, _short)
+                      VLLM_UNIMPLEMENTED, ChatCompletionBody, ChatMessage, CompletionBody, DetokenizeBody, TokenizeBody, _Body, _short)
 from .tools import FunctionSpec, ToolSpec, call_schema
 
 __all__ = ["ApiError", "GenerationRequest", "CompletionBody", "ChatCompletionBody", "parse_json", "parse_request",
@@ -208,6 +208,8 @@ def _validation_error(e: ValidationError) -> ApiError:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     param = _param(loc) or "body"
     if err["type"] == "extra_forbidden":
+        if param in VLLM_UNIMPLEMENTED:  # known to a vLLM user: say it is vLLM's and not here, not "unknown"
+            return unsupported(param, " (a vLLM field this server does not implement)")
         return invalid(param, f"Unrecognized request argument supplied: {param}", "unknown_parameter")
     if err["type"] == "missing":
         return invalid(param, f"Missing required parameter: {param}", "missing_parameter")
@@ -432,6 +434,8 @@ def _refuse_unsupported(body: _Body, engine_args: frozenset[str]) -> None:
             raise unsupported(field)
     if body.logit_bias and "logit_bias" not in engine_args:
         raise unsupported("logit_bias")
+    if body.use_beam_search:
+        raise unsupported("use_beam_search", " (beam search; sample n choices and compare their logprobs)")
     for field, neutral, arg in (("min_p", 0, "min_p"), ("repetition_penalty", 1, "repetition_penalty")):
         if getattr(body, field) not in (None, neutral) and arg not in engine_args:
             raise unsupported(field)

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .tools import ToolSpec
 
 __all__ = ["CompletionBody", "ChatCompletionBody", "ChatMessage", "TokenizeBody", "DetokenizeBody", "StreamOptions",
-           "LegacyFunction", "METADATA_FIELDS", "VLLM_FIELDS", "VLLM_CHAT_FIELDS", "MAX_CHOICES", "INT64"]
+           "LegacyFunction", "METADATA_FIELDS", "VLLM_FIELDS", "VLLM_CHAT_FIELDS", "VLLM_UNIMPLEMENTED",
+           "MAX_CHOICES", "INT64"]
 
 INT64 = 2**63
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -33,7 +34,12 @@ VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
                "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "priority",
                "request_id", "truncate_prompt_tokens", "prompt_logprobs", "add_special_tokens",
                "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
+               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "use_beam_search",
+               "length_penalty")
+# vLLM's request fields this server does not implement: 400 "not supported yet" (not "Unrecognized").
+VLLM_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "cache_salt", "logits_processors", "return_token_ids",
+                      "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs", "media_io_kwargs",
+                      "thinking_token_budget")
 # vLLM's chat-only fields: the chat template's options and chat echo (cbnb.server.extras).
 VLLM_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                     "echo", "documents")
@@ -80,6 +86,10 @@ class _Body(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # vLLM's beam search: false (its default, which clients send) is accepted; true is "not supported yet".
+    # length_penalty only weighs beams, so without beam search it changes nothing.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
     # vLLM's request and structured-output fields (cbnb.server.extras)
     priority: int | None = Field(None, ge=-INT64, lt=INT64)
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -158,7 +168,7 @@ class CompletionBody(_Body):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's limit is 5; vLLM's (--max-logprobs) 20
 
     @field_validator("prompt")
     @classmethod

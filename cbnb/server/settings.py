@@ -37,9 +37,14 @@ class ServerSettings:
         api_key: clients must send ``Authorization: Bearer <api_key>`` (compared in constant time); None: no key.
         allow_unauthenticated: bind a non-loopback address without a key anyway.
         model_name: the model id in `/v1/models` and responses (None: taken from the model).
+        model_aliases: more names a request's `model` may give (vLLM's ``--served-model-name A B``: B), listed
+            after `model_name` in `/v1/models`; a response echoes the name the request used.
         max_body_bytes: largest request body (413 above it).
         max_prompt_tokens: largest prompt in tokens (400 above it); None: the model's context minus one.
         max_tokens_limit: largest `max_tokens` a request may ask (400 above it); None: the model's context.
+        max_model_len: prompt plus generated tokens at most, in tokens (vLLM's ``--max-model-len``): requests are
+            checked against it as against the model's context, and `/v1/models` reports it; None: the model's
+            context. It must not exceed the model's context (`Server.start` raises ValueError).
         max_concurrent_requests: generation requests in flight at once (429 above it).
         graceful_shutdown_s: seconds `stop()` waits for open responses before closing them.
 
@@ -52,9 +57,11 @@ class ServerSettings:
     api_key: str | None = None
     allow_unauthenticated: bool = False
     model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
+    max_model_len: int | None = None
     max_concurrent_requests: int = 256
     graceful_shutdown_s: float = 3.0
 
@@ -67,9 +74,12 @@ class ServerSettings:
             raise ValueError("api_key must be a non-empty string or None")
         if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
             raise ValueError(f"model_name must be a non-empty string or None; got {self.model_name!r}")
+        if not isinstance(self.model_aliases, tuple) or not all(isinstance(a, str) and a for a in self.model_aliases):
+            raise ValueError(f"model_aliases must be a tuple of non-empty strings; got {self.model_aliases!r}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_prompt_tokens", self.max_prompt_tokens, allow_none=True)
         _positive("max_tokens_limit", self.max_tokens_limit, allow_none=True)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("max_concurrent_requests", self.max_concurrent_requests)
         if not isinstance(self.graceful_shutdown_s, (int, float)) or not self.graceful_shutdown_s >= 0:
             raise ValueError(f"graceful_shutdown_s must be a number >= 0; got {self.graceful_shutdown_s!r}")

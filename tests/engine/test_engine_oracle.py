@@ -19,14 +19,11 @@ from cbnb.runner import model_runner
 
 from helpers_engine import (
     SHARING_MODELS, STD_NEW, STD_PROMPTS, TIMEOUT, TINY_MODELS, WINDOW, StepRecorder, assert_cache_empty, config,
-    Oracle, oracle_for, random_prompts, results, submit_together, tiny_model, torch_threads,
+    Oracle, oracle_for, random_prompts, results, submit_together, tiny_model,
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 KERNEL_CALLS = {"mode": None, "n": 0, "decode_steps": 0}

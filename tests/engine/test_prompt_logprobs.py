@@ -9,13 +9,10 @@ import torch
 
 import cbnb
 
-from helpers_engine import TIMEOUT, async_engine, config, random_prompts, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, async_engine, config, random_prompts, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 def oracle(model, prompt):

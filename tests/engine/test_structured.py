@@ -13,17 +13,14 @@ import cbnb
 from cbnb.core.requests import RequestState
 from cbnb.engine.structured import closed, request_grammar
 
-from helpers_engine import TIMEOUT, Oracle, paused, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, Oracle, paused, tiny_model
 from helpers_server import wait_until
 from helpers_structured import MAX_JSON_TOKENS, SCHEMAS, smollm2, smollm2_engine
 
 PROMPTS = ["Give me a person as JSON.", "Describe your favourite colour.", "List a few test scores."]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

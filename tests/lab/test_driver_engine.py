@@ -14,15 +14,12 @@ from cbnb.telemetry.runs import run_log
 from cbnb.lab.tuning import reconfigure, run_workload
 from cbnb.lab.workloads import synthetic
 
-from helpers_engine import TIMEOUT, config, oracle_for, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, config, oracle_for, tiny_model
 
 LLAMA = "tiny:llama"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 def test_timed_run_matches_generate_and_records_engine_times():

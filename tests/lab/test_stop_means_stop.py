@@ -21,15 +21,12 @@ from cbnb.lab.tuning import measure_capacity, run_workload, sweep
 from cbnb.lab.workloads import synthetic
 from cbnb.sim import SimEngine
 
-from helpers_engine import TIMEOUT, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, tiny_model
 
 LIVE = ("PENDING", "PREFILLING", "DECODING")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

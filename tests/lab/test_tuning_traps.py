@@ -199,7 +199,7 @@ def test_a_cpu_profile_calibrated_at_another_model_is_not_called_calibrated_for_
     assert t["error_pct"] is None and t["details"]["other_model"] == "smollm2-135m (float32)"
     with pytest.warns(UserWarning, match="used here for smollm2-135m \\(bfloat16\\)"):
         provenance(SimEngine("smollm2-135m", cal, C(page_size=16, num_blocks=64), dtype="bfloat16"))
-    from cbnb.lab.runs import provenance_text
+    from cbnb.telemetry.runs import provenance_text
     assert provenance_text(t) == "calibrated at smollm2-135m (float32), not this model: unverified"
     # best applies no validated tie band to such runs
     with pytest.warns(UserWarning):

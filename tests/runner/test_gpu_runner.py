@@ -29,14 +29,11 @@ from cbnb.runner.model_runner import ModelRunner  # noqa: E402
 
 from helpers_engine import (  # noqa: E402
     STD_NEW, STD_PROMPTS, assert_cache_empty, config, oracle_for, random_prompts, results, submit_together,
-    tiny_model, torch_threads,
+    tiny_model,
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 def gpu_engine(model, cfg, *, graphs=True, async_=True, attention="torch", **runner_kw):

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from cbnb.server.cli import build_parser, config_of
+from cbnb.server.cli import _load, _notices, _template_text, build_parser, config_of, serve_main
 
 from helpers_engine import TIMEOUT
 
@@ -48,10 +48,108 @@ def test_config_flags_and_their_vllm_aliases():
         config_of(p.parse_args(["m", "--page-size", "0"]))
 
 
+def _refused(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        serve_main(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_vllm_flags_that_change_nothing_are_accepted_with_a_notice(capsys):
+    p = build_parser()
+    a = p.parse_args(["--model", "m", "--tensor-parallel-size", "1", "-pp", "1", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--enable-chunked-prefill", "--trust-remote-code",
+                      "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", "--enable-log-requests"])
+    assert a.model_flag == "m" and a.tensor_parallel_size == 1
+    assert build_parser().parse_args(["m", "--served-model-name", "a", "b"]).model_names == ["a", "b"]
+    said = "\n".join(_notices(a))
+    for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--enable-chunked-prefill", "--trust-remote-code",
+                 "--uvicorn-log-level", "--disable-uvicorn-access-log", "--enable-log-requests"):
+        assert f"{flag} is accepted and changes nothing" in said
+    assert _notices(p.parse_args(["m"])) == []
+    # refused before the model loads, each naming the flag the vLLM user typed
+    assert "--tensor-parallel-size (-tp) must be 1" in _refused(capsys, "m", "-tp", "2")
+    assert "--max-num-seqs: ContinuousBatchingConfig.max_requests_per_batch must be" in _refused(
+        capsys, "m", "--max-num-seqs", "0")
+    assert "--max-model-len: max_model_len must be an integer >= 1" in _refused(capsys, "m", "--max-model-len", "0")
+    assert "--chat-template: no file 'nope.jinja'" in _refused(capsys, "m", "--chat-template", "nope.jinja")
+    assert "the model is missing" in _refused(capsys, "--port", "0")
+    assert "give MODEL first" in _refused(capsys, "--served-model-name", "a", "m")
+    assert "unrecognized arguments: --quantization" in _refused(capsys, "m", "--quantization", "fp8")
+
+
+def test_chat_template_flag_sets_the_served_template(tmp_path):
+    from helpers_server import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert _template_text(template) == template  # the template itself, as vLLM takes it
+    args = build_parser().parse_args(["tiny:llama", "--tokenizer", str(tmp_path / "tok"), "--chat-template",
+                                      str(tmp_path / "t.jinja")])
+    args.chat_template = _template_text(args.chat_template)
+    engine = _load(args)
+    try:
+        assert engine.tokenizer.chat_template == template
+        assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == (
+            "<|im_start|>ab<|im_end|>")
+    finally:
+        engine.stop()
+
+
+def test_the_hub_id_of_a_bundled_model_serves_its_copy_when_the_hub_is_unreachable(monkeypatch, capsys):
+    """`cbnb serve HuggingFaceTB/SmolLM2-135M-Instruct`, as a vLLM user types it, on a laptop offline."""
+    import cbnb.engine.models as models
+
+    real, asked, hf = models.load_model, [], "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    def offline(name, **kw):
+        asked.append(name)
+        if "/" in name:
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+        return real("tiny:llama", **kw)  # stands in for the bundled copy
+
+    monkeypatch.setattr(models, "load_model", offline)
+    args = build_parser().parse_args([hf])
+    engine = _load(args)
+    try:
+        assert asked == [hf, "smollm2-135m"] and args.model_name == hf
+        assert "serving the bundled copy of the same model, smollm2-135m" in capsys.readouterr().err
+    finally:
+        engine.stop()
+    with pytest.raises(OSError, match="couldn't connect"):  # any other hub id: the hub's own error
+        _load(build_parser().parse_args(["someone/other-model"]))
+
+
+def test_the_printed_snippet_never_shows_the_key():
+    from cbnb.server.cli import _snippet
+
+    line = _snippet("http://127.0.0.1:8000/v1", "foo", "sk-secret-123")
+    assert "sk-secret-123" not in line and "os.environ['CBNB_API_KEY']" in line
+    code = re.search(r'python -c "(.*)"', line).group(1)
+    compile(code, "<snippet>", "exec")  # valid Python as printed
+    assert "api_key='none'" in _snippet("http://127.0.0.1:8000/v1", "foo", None)
+
+
 def test_off_localhost_without_a_key_is_refused_before_loading():
     r = subprocess.run([*COMMAND, "tiny:llama", "--host", "0.0.0.0"], capture_output=True, text=True,
                        timeout=TIMEOUT, cwd=ROOT)
     assert r.returncode == 2 and "api_key" in r.stderr and "loading" not in r.stdout
+
+
+def test_a_port_in_use_is_a_one_line_error_not_a_traceback():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([*COMMAND, "tiny:llama", "--port", str(port)], capture_output=True, text=True,
+                           timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    assert f"cbnb serve: error: port {port} on 127.0.0.1 is in use by another program" in r.stderr
+    assert "--port 0 picks a free one" in r.stderr and "Traceback" not in r.stderr
+    assert "loading" not in r.stdout  # found before the model loads
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:

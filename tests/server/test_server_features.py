@@ -264,7 +264,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(served, http):
 
 # ------------------------------------------------------------------------------------------------ fields
 @pytest.mark.parametrize("path, extra, param, words", [
-    ("completions", {"logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ("completions", {"logprobs": True}, "logprobs", "valid integer"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),

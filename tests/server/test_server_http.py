@@ -67,7 +67,7 @@ def err(r, status):
     (b'{"prompt": [1, 99999]}', "prompt", "outside the vocabulary"),
     (b'{"prompt": ["a", 5]}', "prompt[1]", "prompt[1] must be a string or a non-empty list of token ids"),
     (b'{"max_tokens": 3}', "prompt", "Missing required parameter: prompt"),
-    (b'{"prompt": "x", "logprobs": 6}', "logprobs", "less than or equal to 5"),
+    (b'{"prompt": "x", "logprobs": 21}', "logprobs", "less than or equal to 20"),
     (b'{"prompt": "x", "echo": true, "stream": true, "logprobs": 1}', "echo", "not supported yet: echo with stream"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "0 is allowed only with echo=true"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "only allowed with stream"),

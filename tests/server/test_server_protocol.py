@@ -100,3 +100,30 @@ def test_extra_fields_logprobs_n_and_batches_map_to_engine_requests():
     with pytest.raises(ApiError) as e:
         parse_request("completion", {"prompt": "x", "min_p": 0.2}, ENGINE_ARGS - {"min_p"})
     assert e.value.param == "min_p"
+
+
+def test_vllm_json_spellings_close_objects_as_vllms_default_backend_does():
+    """guided_json and structured_outputs.json: an object listing properties takes no other (vLLM's xgrammar; its
+    disable_additional_properties makes the guidance backend do the same), while OpenAI's response_format keeps
+    JSON Schema's open objects unless strict."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    msgs = [{"role": "user", "content": "x"}]
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}},
+                  {"structured_outputs": {"json": schema, "disable_additional_properties": False}}):
+        g = parse_request("chat", {"messages": msgs, **extra}, ENGINE_ARGS)
+        assert g.submit_kwargs["response_format"]["json_schema"]["strict"] is True, extra
+    g = parse_request("chat", {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": schema}}}, ENGINE_ARGS)
+    assert not g.submit_kwargs["response_format"]["json_schema"].get("strict")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_vllm_fields_not_implemented_say_so(kind):
+    """A vLLM user's bad_words / allowed_token_ids / cache_salt are vLLM's, not unknown: 'not supported yet'."""
+    base = {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
+    for field, value in (("bad_words", ["no"]), ("allowed_token_ids", [1, 2]), ("cache_salt", "s")):
+        with pytest.raises(ApiError, match=f"not supported yet: {field}") as e:
+            parse_request(kind, {**base, field: value}, ENGINE_ARGS)
+        assert e.value.param == field
+    with pytest.raises(ApiError, match="Unrecognized request argument supplied: no_such_field"):
+        parse_request(kind, {**base, "no_such_field": 1}, ENGINE_ARGS)

@@ -126,6 +126,47 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served, client):
     assert c.usage.prompt_tokens == 3
 
 
+def test_max_model_len_bounds_prompt_plus_generated_tokens(served):
+    """vLLM's --max-model-len: prompt plus max_tokens at most (400 past it), the default max_tokens fills up to it,
+    /v1/models reports it, and a value past the model's context is refused; --served-model-name's other names."""
+    engine, _ = served
+    n = len(chat_ids(HI, add_generation_prompt=True))
+    server = engine.serve(port=0, model_name="tiny", model_aliases=("other-name",), max_model_len=n + 5)
+    try:
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+            cards = c.models.list().data
+            assert [m.id for m in cards][:2] == ["tiny", "other-name"]  # vLLM's --served-model-name tiny other-name
+            assert {m.model_extra["max_model_len"] for m in cards} == {n + 5}
+            assert c.chat.completions.create(model="other-name", messages=HI, max_tokens=1).model == "other-name"
+            with pytest.raises(openai.BadRequestError, match=r"max_model_len is \d+ tokens") as e:
+                chat(c, max_tokens=6)
+            assert e.value.body["code"] == "context_length_exceeded"
+            r = chat(c, max_tokens=None, extra_body={"ignore_eos": True})  # the default: up to the limit
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 5)
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="greater than the model's context"):
+        engine.serve(port=0, max_model_len=engine.max_positions + 1)
+
+
+def test_beam_search_fields_at_their_defaults_are_accepted(client):
+    """Clients that always send vLLM's defaults (use_beam_search false, length_penalty) get the plain answer."""
+    plain = chat(client).choices[0].message.content
+    assert chat(client, extra_body={"use_beam_search": False, "length_penalty": 1.0}).choices[0].message.content == (
+        plain)
+    with pytest.raises(openai.BadRequestError, match="not supported yet: use_beam_search"):
+        chat(client, extra_body={"use_beam_search": True})
+
+
+def test_completions_logprobs_up_to_vllms_limit(client):
+    """vLLM takes completions' logprobs up to 20 (its --max-logprobs), OpenAI's limit being 5."""
+    r = client.completions.create(model="tiny", prompt="the quick", max_tokens=2, temperature=0, logprobs=12)
+    tops = r.choices[0].logprobs.top_logprobs
+    assert len(tops) == 2 and all(len(t) >= 12 for t in tops)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 20"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, logprobs=21)
+
+
 # ------------------------------------------------------------------------------------------------ detokenization
 def test_skip_special_tokens_false_keeps_them_in_the_text(client):
     kw = dict(model="tiny", prompt="hello", max_tokens=3, temperature=0, logit_bias={"1": 100}, extra_body={})

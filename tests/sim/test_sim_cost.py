@@ -14,13 +14,10 @@ from cbnb.core.requests import Request, SamplingParams
 from cbnb.sim import CostModel, HardwareProfile, ModelShape, StepLoad
 from cbnb.sim.cost import next_pow2, pad_to_interval, sum_keys
 
+from helpers_sim import TOY
+from helpers_sim import TOY_CPU as CPU
+
 # h 8, I 16, heads 2 / kv 1, head_dim 4, vocab 100, 2 layers, float32 (a = 4 bytes)
-TOY = ModelShape("toy", "llama", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
-                 head_dim=4, vocab_size=100, dtype="float32")
-CPU = HardwareProfile(name="toy-cpu", kind="cpu", runner="cpu", memory_bytes=1 << 30, peak_flops={"float32": 1e9},
-                      memory_bandwidth=1e9, host_device_bandwidth=1e8, step_overhead_s=1e-3,
-                      step_overhead_graph_s=5e-4, kernel_launch_s=1e-6, layer_overhead_s=1e-5, attention_call_s=2e-6,
-                      request_overhead_s=1e-4, elementwise_bandwidth=2e9)
 CFG = ContinuousBatchingConfig(page_size=8).resolve("cpu")
 
 

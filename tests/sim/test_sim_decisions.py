@@ -17,25 +17,19 @@ if not torch.cuda.is_available():
 
 import cbnb  # noqa: E402
 from cbnb.core.requests import RequestState  # noqa: E402
-from cbnb.sim import HardwareProfile, SimEngine, load_shape  # noqa: E402
+from cbnb.sim import SimEngine, load_shape  # noqa: E402
 
+from helpers_sim import TEST_CPU  # noqa: E402
 from helpers_engine import (  # noqa: E402
-    STD_NEW, STD_PROMPTS, TIMEOUT, config, paused, random_prompts, tiny_model, torch_threads,
+    STD_NEW, STD_PROMPTS, TIMEOUT, config, paused, random_prompts, tiny_model,
 )
 
 # A CPU-like profile: the cost figures do not matter for decisions, the memory does not bind (explicit num_blocks).
-TEST_CPU = HardwareProfile(name="test-cpu", kind="cpu", runner="cpu", memory_bytes=8 << 30,
-                           peak_flops={"float32": 1e11}, memory_bandwidth=2e10, host_device_bandwidth=1e10,
-                           step_overhead_s=1e-3, step_overhead_graph_s=1e-3, kernel_launch_s=1e-5)
-
 _SHARED = random_prompts([24], seed=3)[0]
 SHARED_PROMPTS = [_SHARED + p for p in random_prompts([5, 9, 17, 3, 11], seed=4)] + [_SHARED[:16]] + STD_PROMPTS[:3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 def decisions(events: cbnb.telemetry.events.EventLog) -> tuple[list, list]:

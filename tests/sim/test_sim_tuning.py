@@ -11,7 +11,7 @@ from cbnb.lab.metrics import SLO
 from cbnb.core.requests import RequestState
 from cbnb.sim import SimEngine, load_shape
 from cbnb.lab.heatmap import heatmap, heatmap_grid
-from cbnb.lab.runs import provenance_text
+from cbnb.telemetry.runs import provenance_text
 from cbnb.lab.tuning import best, run_workload, sweep
 from cbnb.lab.workloads import Workload, synthetic
 

@@ -107,7 +107,7 @@ def plot_backgrounds(page) -> list[str]:
                     return getComputedStyle(r).fill + ' ' + (p.querySelector('.main-svg').style.background || ''); })""")
 
 
-def test_nb03_pause_during_the_sweep_cell_and_it_ends_live(lab, page):
+def test_prefix_caching_notebook_pauses_during_its_sweep_cell_and_ends_live(lab, page):
     open_and_run_all(page, lab, NB03.name)
     page.wait_for_function(CELL_RUNNING, arg="result = sweep(", timeout=240_000)
     page.wait_for_function("""() => { const s = document.querySelector('.cbnb-controls .cbnb-controls-status');
@@ -154,7 +154,7 @@ def wait_done(page, name: str) -> None:
         raise AssertionError(f"{name}: Run All did not finish: {state}") from e
 
 
-def test_nb04_ends_live_with_its_noise_stated(lab, page):
+def test_offloading_notebook_ends_live_with_its_noise_stated(lab, page):
     open_and_run_all(page, lab, NB04.name)
     wait_done(page, "41-nb04")
     assert missing(NB04.name, outputs_text(page)) == []  # the notebook's one full run in the suite

@@ -17,13 +17,10 @@ from cbnb.ui.state import request_rows
 from cbnb.ui.timeline import TimelinePanel
 from cbnb.ui.why import WhyPanel
 
-from helpers_engine import TIMEOUT, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 def frame(engine, events=(), requests=None) -> Frame:

@@ -10,16 +10,13 @@ import cbnb.ui.binding
 from cbnb import ContinuousBatchingConfig
 from cbnb.ui import Dashboard
 
-from helpers_engine import tiny_model, torch_threads
+from helpers_engine import tiny_model
 from test_ui_panels import FakeTokenizer
 
 CFG = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

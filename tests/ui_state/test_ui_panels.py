@@ -14,7 +14,7 @@ from cbnb.ui import (ConfigPanel, Dashboard, KVPageMapPanel, LivePlotsPanel, Req
                      TokenStreamPanel, attach_headless_dashboard)
 from cbnb.ui.poller import Poller
 
-from helpers_engine import tiny_model, torch_threads
+from helpers_engine import tiny_model
 
 CFG = dict(page_size=16, num_blocks=64, max_batch_tokens=64)
 
@@ -35,10 +35,7 @@ class FakeTokenizer:
         return "".join(chr(97 + (i % 26)) for i in ids)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture

@@ -24,12 +24,7 @@ from test_ui_state import stats
 CFG = dict(page_size=16, num_blocks=64, max_batch_tokens=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    from helpers_engine import torch_threads
-
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture

@@ -16,13 +16,10 @@ from cbnb.telemetry.events import Offload, RequestAdded
 from cbnb.ui import ConfigPanel, KVPageMapPanel, LivePlotsPanel
 from cbnb.ui.poller import Frame
 
-from helpers_engine import TIMEOUT, tiny_model, torch_threads
+from helpers_engine import TIMEOUT, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

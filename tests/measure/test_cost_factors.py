@@ -11,7 +11,8 @@ from cbnb.core.config import ContinuousBatchingConfig  # noqa: E402
 from cbnb.sim import CostModel, StepLoad  # noqa: E402
 from cbnb.measure import _torch_fit as impl  # noqa: E402
 
-from test_sim_cost import CPU, TOY  # noqa: E402
+from helpers_sim import TOY  # noqa: E402
+from helpers_sim import TOY_CPU as CPU  # noqa: E402
 
 TRUE = {"compute": [[1, 1.2], [16, 1.5], [512, 1.3]], "attention": 0.8, "decode_attention": 2.0, "fixed": 1.2}
 

@@ -28,7 +28,7 @@ def test_validate_workload_small_cpu32_has_identical_plans():
     pytest.importorskip("torch")
     from cbnb.measure.validate import validate_workload
 
-    from test_sim_decisions import TEST_CPU
+    from helpers_sim import TEST_CPU
 
     r = validate_workload("cpu-32", TEST_CPU, scale=0.1, repeat=2)
     assert r["plans_identical"]
@@ -80,7 +80,7 @@ def test_replay_costs_a_real_plan_step_by_step():
     from cbnb.sim import CostModel, StepLoad, load_shape
     from cbnb.measure.validate import _replay_costs
 
-    from test_sim_decisions import TEST_CPU
+    from helpers_sim import TEST_CPU
 
     cost = CostModel(load_shape("smollm2-135m", dtype="float32"), TEST_CPU)
     # step 1: a's first chunk (no sample: the prompt is 100 long) and b's last chunk; step 2: a decodes
@@ -100,7 +100,7 @@ def test_validate_timed_workload_replays_the_real_plans():
     pytest.importorskip("torch")
     from cbnb.measure.validate import validate_workload
 
-    from test_sim_decisions import TEST_CPU
+    from helpers_sim import TEST_CPU
 
     r = validate_workload("cpu-poisson", TEST_CPU, scale=0.1)
     assert r["plans_identical"] is None  # timed: plans depend on step times, not compared
