@@ -387,13 +387,19 @@ async def _generate(ctx: ServerContext, request: Request, kind: str) -> Any:
     run = await _start(ctx, request, g)
     if g.stream:
         return EventStream(run.stream, on_close=lambda gone: run.close())
+    await _collect(request, run)
+    return JSONResponse(run.response())
+
+
+async def _collect(request: Request, run: Any) -> None:
+    """Wait for a non-streamed run's whole answer (cancelled when the client hangs up), then free it; its error,
+    if it failed, is raised."""
     try:
         await until_disconnect(request.receive, run.collect())
     finally:
         run.close()
     if run.error is not None:
         raise run.error
-    return JSONResponse(run.response())
 
 
 async def _responses(ctx: ServerContext, request: Request, obj: dict[str, Any]) -> Any:
@@ -418,12 +424,7 @@ async def _responses(ctx: ServerContext, request: Request, obj: dict[str, Any]) 
                 ctx.store.put(rid, history + [ev.stored])
 
         return EventStream(produce, on_close=lambda gone: run.close())
-    try:
-        await until_disconnect(request.receive, run.collect())
-    finally:
-        run.close()
-    if run.error is not None:
-        raise run.error
+    await _collect(request, run)
     body, stored = responses.response_body(run.response(), obj, rid)
     if keep:
         ctx.store.put(rid, history + [stored])

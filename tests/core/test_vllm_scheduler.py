@@ -3,45 +3,11 @@ running requests, recompute preemption of the newest running request, its waterm
 
 from __future__ import annotations
 
-from cbnb.core.cache.layout import KVLayout, layer_groups
-from cbnb.core.cache.manager import CacheManager
-from cbnb.core.config import ContinuousBatchingConfig
-from cbnb.core.engine_core import EngineCore
-from cbnb.core.plan import BatchPlan, SkipReason
-from cbnb.core.requests import Request, RequestState, SamplingParams
+from cbnb.core.plan import SkipReason
+from cbnb.core.requests import RequestState
 from cbnb.core.vllm_scheduler import VLLMScheduler
 
-P = 4
-
-
-def core_for(num_sectors: int = 32, *, sharing: bool = True, **cfg) -> EngineCore:
-    cfg.setdefault("max_batch_tokens", 64)
-    config = ContinuousBatchingConfig(page_size=P, allow_block_sharing=sharing, **cfg).resolve("cpu")
-    layout = KVLayout(tuple(layer_groups(1)), 1, 16, 4, P)  # one block per sector
-    return EngineCore(config, CacheManager(layout, num_sectors, allow_block_sharing=sharing))
-
-
-def add(core: EngineCore, rid: str, n: int, max_new: int = 8) -> Request:
-    r = Request(rid, [10 + i for i in range(n)], SamplingParams(max_new_tokens=max_new, eos_token_ids=1))
-    assert core.add(r)
-    return r
-
-
-def step(core: EngineCore) -> BatchPlan:
-    work = core.schedule()
-    core.apply(work, {s.request_id: 5 for s in work.plan.scheduled if s.samples})
-    core.cache.check_invariants(list(core.requests.values()))
-    return work.plan
-
-
-def ids(plan: BatchPlan) -> list[tuple[str, int, int]]:
-    return [(s.request_id, s.start, s.num_tokens) for s in plan.scheduled]
-
-
-def reason(plan: BatchPlan, rid: str) -> SkipReason:
-    entry = plan.skip_reason(rid)
-    assert entry is not None, f"{rid} not listed"
-    return entry.reason
+from helpers_core import P, add, core_for, ids, reason, step  # noqa: F401 (P: used by the tests)
 
 
 def token(rid: str, pos: int) -> int:
