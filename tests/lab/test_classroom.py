@@ -32,3 +32,39 @@ def test_measure_takes_about_the_time_asked_and_gives_a_rate():
     m = measure(seconds=0.2, n=256)
     assert m.gemm_flops > 1e8 and m.threads >= 1 and m.n == 256
     assert time.perf_counter() - t0 < 30  # (a loaded machine may be slow; 0.2 s of passes plus a warm-up)
+
+
+def test_an_estimate_is_never_below_the_arrivals():
+    """Found in the teacher's trial (issue 40): notebook 02 said "Sweep 1 (8 runs): about 35 s here" for runs that
+    replay Poisson arrivals over 4 minutes of wall time."""
+    m = Machine(REFERENCE_FLOPS, 2)
+    assert m.estimate("Sweep 1 (8 runs)", 25, at_least_s=260) == (
+        "Sweep 1 (8 runs): at least 4.3 min here (its arrivals alone take that long; its compute, 25 s on the "
+        "65 GFLOP/s class laptop).")
+    assert m.estimate("Sweep 1 (8 runs)", 25, at_least_s=10) == m.estimate("Sweep 1 (8 runs)", 25)
+
+
+def test_measure_keeps_one_thread_where_busy_cores_make_small_ops_wait(monkeypatch):
+    """Found in the teacher's trial (issue 40): on 2 cores held by other jobs, torch's 2 threads made each of a
+    decode step's small matmuls wait for both to get a core (66x slower than 1 thread), so the notebooks ran 10x
+    slower than their GEMM-based estimates. measure() now keeps 1 thread there, and says so; a quiet machine
+    keeps its threads."""
+    import torch
+
+    from cbnb.lab import classroom
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(classroom, "small_op_seconds", lambda: 1e-3 if torch.get_num_threads() > 1 else 1e-5)
+        busy = measure(seconds=0.05, n=128)
+        assert torch.get_num_threads() == 1 and busy.threads == 1
+        assert busy.busy_from == 2 and busy.busy_ratio == pytest.approx(100)
+        assert "its cores are busy with other jobs: at 2 torch threads the model's small ops ran 100x slower" in str(busy)
+        torch.set_num_threads(2)
+        monkeypatch.setattr(classroom, "small_op_seconds", lambda: 1e-4 if torch.get_num_threads() > 1 else 1.5e-4)
+        quiet = measure(seconds=0.05, n=128)
+        assert torch.get_num_threads() == 2 and quiet.threads == 2 and quiet.busy_from is None
+        assert "busy" not in str(quiet)
+    finally:
+        torch.set_num_threads(before)
