@@ -11,8 +11,10 @@ class size (`python -m cbnb.lab.classroom` re-measures every notebook's Run All)
 A machine whose cores other jobs hold (a shared server; a laptop running a video call) slows a decode step far more
 than its GEMM rate says: each of the model's small ops waits until every torch thread got a core, and with 2
 threads on 2 busy cores a 1 x 576 x 576 matmul took ~0.8 ms instead of ~0.06 ms on 1 thread (this project's shared
-machine at load 8, 2026-12-07), a 10x slower engine. `measure()` times such a chain of small ops at the current
-thread count and at 1 thread, and where 1 thread is more than twice as fast it keeps torch at 1 thread and says so.
+machine at load 8, 2026-12-07), a 10x slower engine. The waits come in bursts, so one short timing can miss them:
+`measure()` keeps torch at 1 thread, and says so, where the 1-minute load average is at least the number of cores
+(more runnable jobs than cores) or a chain of small ops ran more than twice as fast at 1 thread as at the current
+count.
 
 The size is one variable: ``CBNB_SIZE=full`` (or ``SIZE = "full"`` in a notebook's first cell) runs the whole
 workloads of the README; "class" (the default) runs the smaller ones, which CI runs too (tests/test_notebooks.py).
@@ -56,6 +58,8 @@ class Machine:
         busy_from: the torch threads there were before `measure()` set 1 (their small ops waited on busy cores),
             else None.
         busy_ratio: how many times slower those small ops ran at `busy_from` threads than at 1.
+        load: the 1-minute load average when measured (None where the OS has none).
+        cores: the machine's logical cores.
     """
 
     gemm_flops: float
@@ -63,6 +67,8 @@ class Machine:
     n: int = 1024
     busy_from: int | None = None
     busy_ratio: float = 1.0
+    load: float | None = None
+    cores: int = 0
 
     @property
     def speed(self) -> float:
@@ -93,9 +99,10 @@ class Machine:
                 f"{'s' if self.threads != 1 else ''}), {self.speed:.1f}x the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s "
                 "2-core class laptop")
         if self.busy_from is not None:
-            line += (f"\nits cores are busy with other jobs: at {self.busy_from} torch threads the model's small ops "
-                     f"ran {self.busy_ratio:.0f}x slower than at 1 (each waits for every thread to get a core), so "
-                     "torch now runs 1 thread here (torch.set_num_threads)")
+            load = f" (load average {self.load:.1f} on {self.cores} cores)" if self.load is not None else ""
+            line += (f"\nits cores are busy with other jobs{load}: at {self.busy_from} torch threads each of the "
+                     f"model's small ops waits for every thread to get a core (here {self.busy_ratio:.0f}x slower "
+                     "than at 1), so torch now runs 1 thread (torch.set_num_threads)")
         return line
 
 
@@ -130,8 +137,8 @@ def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Mac
 
     With `busy_check` and more than one torch thread, first time a chain of a decode step's small matmuls
     (`small_op_seconds`) at the current thread count and at 1 thread; where 1 thread is more than `BUSY_RATIO` times
-    faster (other jobs hold the cores), torch is left at 1 thread (``torch.set_num_threads(1)``) and the GEMM is
-    timed there.
+    faster, or the 1-minute load average is at least the core count (other jobs hold the cores), torch is left at
+    1 thread (``torch.set_num_threads(1)``) and the GEMM is timed there.
 
     Returns:
         `Machine` with the rate in FLOP/s (``2 n^3`` per pass).
@@ -140,11 +147,16 @@ def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Mac
 
     busy_from, busy_ratio = None, 1.0
     threads = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows has no load average
+        load = None
     if busy_check and threads > 1:
         many = small_op_seconds()
         torch.set_num_threads(1)
         one = small_op_seconds()
-        if many > BUSY_RATIO * one:
+        if many > BUSY_RATIO * one or (load is not None and load >= cores):
             busy_from, busy_ratio = threads, many / one
         else:
             torch.set_num_threads(threads)
@@ -157,7 +169,7 @@ def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Mac
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
         passes += 1
-    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n, busy_from, busy_ratio)
+    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n, busy_from, busy_ratio, load, cores)
 
 
 def main(argv: list[str] | None = None) -> int:
