@@ -100,9 +100,10 @@ class Machine:
                 "2-core class laptop")
         if self.busy_from is not None:
             load = f" (load average {self.load:.1f} on {self.cores} cores)" if self.load is not None else ""
+            seen = f" (here {self.busy_ratio:.0f}x slower than at 1)" if self.busy_ratio >= BUSY_RATIO else ""
             line += (f"\nits cores are busy with other jobs{load}: at {self.busy_from} torch threads each of the "
-                     f"model's small ops waits for every thread to get a core (here {self.busy_ratio:.0f}x slower "
-                     "than at 1), so torch now runs 1 thread (torch.set_num_threads)")
+                     f"model's small ops waits for every thread to get a core{seen}, so torch now runs 1 thread "
+                     "(torch.set_num_threads)")
         return line
 
 
