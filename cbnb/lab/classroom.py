@@ -75,9 +75,19 @@ class Machine:
         """How many times faster than the reference class machine (GEMM rate / `REFERENCE_FLOPS`)."""
         return self.gemm_flops / REFERENCE_FLOPS
 
+    @property
+    def shared(self) -> float:
+        """How many times longer a long cell takes because other jobs share the cores: the 1-minute load average
+        over the core count, at least 1. (`gemm_flops` is the fastest pass, what a core free of other jobs gives; over
+        a cell of many seconds a job gets about cores / load of the machine.)"""
+        if self.load is None or not self.cores:
+            return 1.0
+        return max(1.0, self.load / self.cores)
+
     def seconds(self, reference_s: float) -> float:
-        """Estimated seconds here for what takes `reference_s` on the reference machine."""
-        return reference_s / max(self.speed, 1e-6)
+        """Estimated seconds here for what takes `reference_s` on the reference machine (slower by `shared` where
+        other jobs hold the cores)."""
+        return reference_s / max(self.speed, 1e-6) * self.shared
 
     def estimate(self, what: str, reference_s: float, at_least_s: float = 0.0) -> str:
         """One line for a notebook, e.g. "The sweep below: about 40 s here (90 s on the 65 GFLOP/s class
@@ -104,6 +114,9 @@ class Machine:
             line += (f"\nits cores are busy with other jobs{load}: at {self.busy_from} torch threads each of the "
                      f"model's small ops waits for every thread to get a core{seen}, so torch now runs 1 thread "
                      "(torch.set_num_threads)")
+        if self.shared > 1.0:
+            line += (f"\nthe estimates below allow for the other jobs: a long cell gets about 1/{self.shared:.1f} of "
+                     "the machine")
         return line
 
 
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         took = time.perf_counter() - t0
         m = Machine(max(before.gemm_flops, measure().gemm_flops), before.threads)
-        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about {took * m.speed:.0f} s on the "
+        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about {took * m.speed / m.shared:.0f} s on the "
               "class laptop", flush=True)
     return 0
 

@@ -76,3 +76,15 @@ def test_measure_keeps_one_thread_where_busy_cores_make_small_ops_wait(monkeypat
         assert "slower than at 1" not in str(loaded)  # this timing saw no wait: no "0x slower"
     finally:
         torch.set_num_threads(before)
+
+
+def test_estimates_allow_for_other_jobs_on_the_cores():
+    """Found in the teacher's trial (issue 40): notebook 05 (a Python-bound simulation) said about 70 s for its long
+    cells at load 6.4 on 2 cores and its Run All took 266 s: the GEMM's fastest pass is a free core's speed, while a
+    long cell gets about cores / load of the machine."""
+    quiet = Machine(REFERENCE_FLOPS, 2, load=1.5, cores=2)
+    assert quiet.shared == 1.0 and quiet.seconds(80) == pytest.approx(80) and "other jobs" not in str(quiet)
+    busy = Machine(2 * REFERENCE_FLOPS, 1, load=6.4, cores=2)
+    assert busy.shared == pytest.approx(3.2) and busy.seconds(80) == pytest.approx(128)
+    assert "a long cell gets about 1/3.2 of the machine" in str(busy)
+    assert Machine(REFERENCE_FLOPS, 2).shared == 1.0  # no load average (Windows): no allowance
