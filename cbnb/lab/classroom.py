@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         took = time.perf_counter() - t0
         m = Machine(max(before.gemm_flops, measure().gemm_flops), before.threads)
-        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about {took * m.speed / m.shared:.0f} s on the "
-              "class laptop", flush=True)
+        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about "
+              f"{took * m.speed / m.shared:.0f} s on the class laptop", flush=True)
     return 0
 
 
