@@ -1,17 +1,21 @@
 """`python -m cbnb.bench`: cbnb against its peers on one workload, in one process, in interleaved rounds.
 
 Peers on the same workload and the same `ContinuousBatchingConfig` values: ``cbnb`` (this engine), ``hf-cb``
-(transformers' continuous batching) and ``hf-static`` (static batched `generate`); see `cbnb.bench.peers`.
+(transformers' continuous batching) and ``hf-static`` (static batched `generate`); see `cbnb.bench.peers`. Also
+``llama-cpp`` and ``llama-cpp-q4_1``: llama.cpp's ``llama-server`` with continuous batching over one slot per request,
+on the F32 GGUF of the same weights and on the shipped Q4_1 file (`cbnb.bench.llamacpp`; build it once with
+``scripts/build_llamacpp.sh``).
 
 ``--repeat N`` runs N rounds, rotating the peers' order each round, and reports per peer the median and min-max of
 its output tokens/s and the median of the per-round ratios (`cbnb.bench.rounds`). Each round first probes the
 machine: the GEMM rate of the model's own linear layers at the workload's token counts and the copy bandwidth; from
 those the workload's roofline floor (FLOPs and bytes, formulas printed) and each peer's share of it
-(`cbnb.bench.roofline`). Also: peak memory, greedy token agreement with the first peer, and the first-token latency
-of a lone request on cbnb. ``--json PATH`` keeps everything (rewritten after every round). Speed claims come from
+(`cbnb.bench.roofline`). Also: peak memory, greedy token agreement with the first peer, and a lone streamed request's
+first-token latency and inter-token gaps (cbnb and llama.cpp). ``--json PATH`` keeps everything (rewritten after every round). Speed claims come from
 here, never from a timed test. Examples::
 
     python -m cbnb.bench --workload cpu-32 --repeat 5 --json cpu32.json
+    python -m cbnb.bench --workload cpu-32 --peers cbnb,llama-cpp,llama-cpp-q4_1,hf-cb --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants telemetry=off,telemetry=on --repeat 3
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_kernels=off,cpu_kernels=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants onednn_linear=off,onednn_linear=on --repeat 5
@@ -47,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="model name for cbnb.load_model (default: the workload's)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--peers", default="cbnb,hf-cb,hf-static", help="comma list of cbnb, hf-cb, hf-static")
+    ap.add_argument("--peers", default="cbnb,hf-cb,hf-static", help="comma list of " + ", ".join(PEERS))
     ap.add_argument("--variants", default="", help="cbnb variants, e.g. telemetry=off,telemetry=on")
     ap.add_argument("--repeat", type=int, default=1, help="rounds; the peers' order rotates each round")
     ap.add_argument("--no-probe", dest="no_probe", action="store_true",
                     help="skip the per-round GEMM/bandwidth probe (no roofline share)")
-    ap.add_argument("--lone", type=int, default=3, help="lone requests timed to first token on cbnb per round (0: none)")
+    ap.add_argument("--lone", type=int, default=3, help="lone streamed requests timed per round on cbnb and llama.cpp (0: none)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workload (0 < scale <= 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

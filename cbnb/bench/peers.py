@@ -3,7 +3,9 @@
 - ``cbnb``: this engine (a fresh `Engine` per run, after a one-request warm-up);
 - ``hf-cb``: transformers' own continuous batching (`init_continuous_batching` + `add_request`, which also allows a
   different `max_new_tokens` per request);
-- ``hf-static``: static batched `model.generate` (left padding, batches of ``--static-batch`` requests).
+- ``hf-static``: static batched `model.generate` (left padding, batches of ``--static-batch`` requests);
+- ``llama-cpp``, ``llama-cpp-q4_1``: llama.cpp's `llama-server` on the F32 GGUF of the same weights and on the
+  shipped Q4_1 file, started per run (`cbnb.bench.llamacpp`).
 
 A run returns a `PeerResult`: wall seconds of the timed part, output tokens, peak memory (RSS on CPU, allocated
 bytes on CUDA), the greedy tokens per request and extra figures. A failing peer is reported, never fatal.
@@ -19,10 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["PEERS", "PeerResult", "run_cbnb", "run_hf_cb", "run_hf_static", "run_variant", "agreement",
+__all__ = ["PEERS", "LONE_NEW_TOKENS", "PeerResult",
+           "run_cbnb", "run_hf_cb", "run_hf_static", "run_variant", "agreement",
            "lone_prompts", "release_memory", "guard"]
 
-PEERS = ("cbnb", "hf-cb", "hf-static")
+PEERS = ("cbnb", "hf-cb", "hf-static", "llama-cpp", "llama-cpp-q4_1")
 
 
 @dataclass
@@ -87,8 +90,9 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
     """Run the workload through a fresh cbnb `Engine` (after a one-request warm-up); `submit_kwargs` go to every
     request's `submit` (e.g. sampling and logits processors).
 
-    With `lone` prompts, the engine then serves each of them alone, idle in between, and ``extra["lone_ttft_s"]``
-    holds the seconds from `submit` to the first streamed token of each (the streaming feel of one user).
+    With `lone` prompts, the engine then serves each of them alone (`LONE_NEW_TOKENS` tokens, streamed), idle in
+    between: ``extra["lone_ttft_s"]`` holds the seconds from `submit` to the first streamed token of each and
+    ``extra["lone_itl_s"]`` the gaps between the next ones (the streaming feel of one user).
     With `timeout_s`, requests unfinished that many seconds after the submission are cancelled and the result is
     partial: the tokens produced until then, over that time, with `error` saying so.
     """
@@ -118,7 +122,9 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
             with contextlib.suppress(Exception):
                 extra["stats"] = eng.stats()
         if lone:
-            extra["lone_ttft_s"] = [_first_token_s(eng, p) for p in lone]
+            times = [_stream_times(eng, p) for p in lone]
+            extra["lone_ttft_s"] = [t[0] for t in times if t]
+            extra["lone_itl_s"] = [b - a for t in times for a, b in zip(t, t[1:])]
     if attach is not None and hasattr(attach, "close"):
         attach.close()
     bad = [o for o in outs if o.state.name != "FINISHED"]
@@ -129,17 +135,20 @@ def run_cbnb(model, tokenizer, workload, config, *, name: str = "cbnb", engine_k
                       extra, err)
 
 
-def _first_token_s(eng, prompt: list[int]) -> float:
-    """Seconds from `submit` to the first streamed token of one request on an idle engine."""
+#: Tokens each lone request streams (the first gives its TTFT, the gaps between the others its ITL).
+LONE_NEW_TOKENS = 16
+
+
+def _stream_times(eng, prompt: list[int], n: int = LONE_NEW_TOKENS) -> list[float]:
+    """Seconds from `submit` to each streamed token of one request on an idle engine (the tokens of one delta
+    share its time)."""
     t0 = time.perf_counter()
-    h = eng.submit(prompt, max_new_tokens=2, ignore_eos=True)
-    for _ in h:
-        dt = time.perf_counter() - t0
-        break
-    else:  # finished without streaming a token: report the whole request
-        dt = time.perf_counter() - t0
+    h = eng.submit(prompt, max_new_tokens=n, ignore_eos=True)
+    times: list[float] = []
+    for d in h:
+        times.extend([time.perf_counter() - t0] * len(d.token_ids))
     h.result()
-    return dt
+    return times
 
 
 def lone_prompts(workload, vocab_size: int, count: int = 3, seed: int = 0) -> list[list[int]]:

@@ -62,7 +62,7 @@ def format_report(report: dict[str, Any]) -> str:
     nw = max(22, 2 + max(len(n) for n in report["peers"]))  # variant names can be long
     rw = max(24, 2 + len(first + " / peer"))
     head = (f"{'peer':<{nw}}{'out tok/s':>24}{first + ' / peer':>{rw}}{'roofline share':>22}{'peak MiB':>10}"
-            f"{'same tokens':>13}{'lone TTFT s':>20}{'sample ms/step':>22}  errors")
+            f"{'same tokens':>13}{'lone TTFT s':>20}{'lone ITL ms':>18}{'sample ms/step':>22}  errors")
     lines.append(head)
     for name in report["peers"]:
         s = report["summary"][name]
@@ -72,7 +72,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{name:<{nw}}{_rng(s['tok_per_s'], lambda x: f'{x:.1f}'):>24}"
             f"{_rng(s['first_over_this'], lambda x: f'{x:.2f}x'):>{rw}}{share:>22}"
             f"{s['peak_bytes_max'] / 2**20:>10.0f}{'-' if agree is None else f'{100 * agree:.0f}%':>13}"
-            f"{_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>20}"
+            f" {_rng(s['lone_ttft_s'], lambda x: f'{x:.3f}'):>19}"
+            f" {_rng(s.get('lone_itl_s') or {}, lambda x: f'{1e3 * x:.1f}'):>17}"
             f"{_rng(s.get('sample_ms_per_step') or {}, lambda x: f'{x:.2f}'):>22}  {'; '.join(sorted(set(s['errors'])))}")
     for name in report["peers"]:
         comp = report["summary"][name].get("compile") or {}
@@ -82,6 +83,10 @@ def format_report(report: dict[str, Any]) -> str:
                 lines.append(f"{name} compiled {path} forward: {st['compiles']} compile(s), {st['compile_s']:.1f} s "
                              f"(in this process; a shape first seen after the warm-up compiles inside that round's "
                              f"timing){failed}")
+    for name in report["peers"]:
+        fallbacks = sorted({rnd["results"][name].get("fallback") for rnd in report["rounds"]} - {None})
+        if fallbacks:
+            lines.append(f"{name} ran with {'; '.join(fallbacks)}")
     lines.append("per round (out tok/s, in run order):")
     for rnd in report["rounds"]:
         res = rnd["results"]

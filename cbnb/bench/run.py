@@ -63,7 +63,9 @@ def machine_name() -> str:
 
 
 def _entries(peers: list[str], variants: list[str], model, tokenizer, wl, config, static_batch: int,
-             lone: list[list[int]] | None) -> list[Entry]:
+             lone: list[list[int]] | None, model_name: str = "smollm2-135m") -> list[Entry]:
+    from . import llamacpp
+
     out: list[Entry] = []
     for peer in peers:
         if peer == "cbnb":
@@ -76,6 +78,12 @@ def _entries(peers: list[str], variants: list[str], model, tokenizer, wl, config
             out.append(Entry("hf-cb", lambda: guard("hf-cb", lambda: run_hf_cb(model, wl, config))))
         elif peer == "hf-static":
             out.append(Entry("hf-static", lambda: guard("hf-static", lambda: run_hf_static(model, wl, static_batch))))
+        elif peer in llamacpp.PEERS:
+            import torch
+
+            threads = torch.get_num_threads()
+            out.append(Entry(peer, lambda peer=peer: llamacpp.run_llamacpp(peer, wl, threads=threads, model=model_name,
+                                                                        lone=lone)))
         else:
             raise SystemExit(f"unknown peer {peer!r}: choose from {', '.join(PEERS)}")
     return out
@@ -90,7 +98,9 @@ def _result_dict(r: PeerResult, base: PeerResult | None) -> dict[str, Any]:
         "greedy_agreement_vs_first": agreement(base, r) if base is not None else None,
         "tokens": r.tokens,
     }
-    d.update({k: v for k, v in r.extra.items() if k in ("stats", "batch_size", "variant", "lone_ttft_s", "compile", "grammar")})
+    keep = ("stats", "batch_size", "variant", "lone_ttft_s", "lone_itl_s", "compile", "grammar", "gguf", "argv",
+            "fallback")
+    d.update({k: v for k, v in r.extra.items() if k in keep})
     return d
 
 
@@ -137,8 +147,15 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     variants = [v for v in (args.variants or "").split(",") if v]
     n_lone = getattr(args, "lone", 3)
-    lone = lone_prompts(wl, vocab, count=n_lone, seed=args.seed) if n_lone and "cbnb" in peers else None
-    entries = _entries(peers, variants, model, tokenizer, wl, config, args.static_batch or wl.num_requests, lone)
+    lone = lone_prompts(wl, vocab, count=n_lone, seed=args.seed) if n_lone else None
+    entries = _entries(peers, variants, model, tokenizer, wl, config, args.static_batch or wl.num_requests, lone,
+                       model_name)
+    from . import llamacpp
+
+    for p in peers:
+        why = llamacpp.missing(p, model_name) if p in llamacpp.PEERS else None
+        if why:
+            log(f"{p}: {why}; its rounds will report that as their error")
     names = [e.name for e in entries]
 
     cost = roofline.model_cost(model)
@@ -198,6 +215,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = None
     for n in names:
         ttfts = [x for rnd in rounds for x in rnd.results[n].extra.get("lone_ttft_s", [])]
         summary[n]["lone_ttft_s"] = spread(ttfts)
+        summary[n]["lone_itl_s"] = spread([x for rnd in rounds for x in rnd.results[n].extra.get("lone_itl_s", [])])
         summary[n]["sample_ms_per_step"] = spread([x for x in (sample_ms(rnd.results[n]) for rnd in rounds)
                                                    if x is not None])
         summary[n]["peak_bytes_max"] = max(rnd.results[n].peak_bytes for rnd in rounds)

@@ -10,7 +10,7 @@ from cbnb import bench
 @pytest.mark.parametrize("argv, text", [
     (["--scale", "0"], "--scale must be in (0, 1]"),
     (["--scale", "1.5"], "--scale must be in (0, 1]"),
-    (["--peers", "cbnb,foo"], "--peers: unknown 'foo'; choose from cbnb, hf-cb, hf-static"),
+    (["--peers", "cbnb,foo"], "--peers: unknown 'foo'; choose from cbnb, hf-cb, hf-static, llama-cpp, llama-cpp-q4_1"),
     (["--workload", "nope"], "invalid choice"),
 ])
 def test_bad_arguments_exit_with_usage(argv, text, capsys, monkeypatch):

@@ -14,6 +14,8 @@ and CPU, into ``$CBNB_KERNEL_CACHE`` (default ``~/.cache/cbnb/kernels``); later 
 The library binds to the OpenMP runtime torch has already loaded (same soname), so it shares torch's threads.
 Without a compiler, or when the build or load fails, `available()` is False once, with a warning, and the runner
 uses its torch path. ``CBNB_CPU_KERNELS=0`` switches the kernel off (the "fast path off" of the oracle tests).
+``CBNB_KERNEL_CFLAGS`` adds compiler flags to every C source's build (e.g. ``-mno-avx512f``: the AVX2 code on an
+AVX-512 machine, to test and time what an AVX2-only CPU runs; the flags are part of the cached library's key).
 The other C sources of the CPU fast path (`cbnb.runner.cpu.layer_ops`, `cbnb.runner.noise`) are built and loaded the
 same way (`LazyLibrary`).
 """
@@ -82,7 +84,7 @@ def build_library(path: Path = _SRC, extra: tuple[str, ...] = ()) -> ctypes.CDLL
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     # The key covers the headers beside the source too (they are #included: cbnb_exp.h).
     src = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(path.parent.glob("*.h")))
-    flags = [*_FLAGS, *extra]
+    flags = [*_FLAGS, *extra, *os.environ.get("CBNB_KERNEL_CFLAGS", "").split()]
     key = hashlib.sha256(src + " ".join([cc, *flags, *_LIBS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{path.stem}-{key}.so"
     if not out.exists():

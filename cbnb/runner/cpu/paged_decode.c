@@ -127,10 +127,23 @@ int cbnb_paged_decode_f32(const float *q, int64_t q_row, int64_t q_head, const f
 #define QB 32
 #define KB 64
 
-typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register (two AVX2 ones elsewhere) */
+/* The vector type: one register of the widest ISA the build targets (16 floats with AVX-512, else 8: AVX2). The
+ * loops below keep NVQ / NVP of them per head in registers and make as many passes as the 64 keys or dims need (one
+ * with AVX-512, two with AVX2). A 16-float vector type without AVX-512 (this kernel's first version) made GCC keep
+ * the accumulators in memory: the prefill attention of a cpu-32 chunk step ran 5-8x slower built with -mno-avx512f
+ * than with AVX-512 on the same Xeon, and as fast with these passes. No pass changes the order of a sum: every build
+ * gives the same bits (tests/runner/test_cpu_kernels_isa.py). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NVQ 4 /* vectors per head and pass in QK^T (keys) and PV (dims): 4 was the fastest on AVX2 as on AVX-512 */
+#define NVP 4
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
-static inline __attribute__((always_inline)) v16 load16(const float *p) {
-    v16 x;
+static inline __attribute__((always_inline)) vf loadv(const float *p) {
+    vf x;
     memcpy(&x, p, sizeof x);
     return x;
 }
@@ -157,53 +170,52 @@ static inline __attribute__((always_inline)) float online_softmax(float *p, int6
 }
 
 /* D = 64: up to 4 query heads of one position through QK^T and PV together, each transposed key column and each
- * value row loaded once for all of them, scores and outputs in registers (4 heads x 64 lanes = 16 vectors of 16
- * floats; vectors of one register's width, because GCC spills wider generic vectors). `nh` is a constant at every
+ * value row loaded once per pass for all of them, scores and outputs in registers. `nh` is a constant at every
  * call, so the loops over heads unroll. */
 static inline __attribute__((always_inline)) void heads64(const float *qb, int64_t q_head, const float *kt,
         const float *v, const int64_t *off, int64_t valid, float scale, int64_t r0, const int nh, float *acc,
         float *mx, float *sum) {
-    v16 s[4][4];
-    for (int c = 0; c < nh; c++)
-        for (int j = 0; j < 4; j++) s[c][j] = (v16){0};
-    for (int64_t d = 0; d < 64; d++) {
-        const float *kd = kt + d * KB;
-        const v16 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
-        for (int c = 0; c < nh; c++) {
-            const float qd = qb[c * q_head + d];
-            s[c][0] += qd * k0;
-            s[c][1] += qd * k1;
-            s[c][2] += qd * k2;
-            s[c][3] += qd * k3;
-        }
-    }
     float p[4][KB];
-    v16 o[4][4];
-    for (int c = 0; c < nh; c++) {
-        memcpy(p[c], s[c], sizeof p[c]);
-        const float corr = online_softmax(p[c], valid, scale, mx + r0 + c, sum + r0 + c);
-        for (int j = 0; j < 4; j++) o[c][j] = load16(acc + (r0 + c) * 64 + 16 * j) * corr;
-    }
-    for (int64_t t = 0; t < valid; t++) {
-        const float *vt = v + off[t];
-        const v16 x0 = load16(vt), x1 = load16(vt + 16), x2 = load16(vt + 32), x3 = load16(vt + 48);
-        for (int c = 0; c < nh; c++) {
-            const float pc = p[c][t];
-            o[c][0] += pc * x0;
-            o[c][1] += pc * x1;
-            o[c][2] += pc * x2;
-            o[c][3] += pc * x3;
+    for (int k0 = 0; k0 < KB; k0 += NVQ * VW) {
+        vf s[4][NVQ];
+        for (int c = 0; c < nh; c++)
+            for (int j = 0; j < NVQ; j++) s[c][j] = (vf){0};
+        for (int64_t d = 0; d < 64; d++) {
+            const float *kd = kt + d * KB + k0;
+            vf kv[NVQ];
+            for (int j = 0; j < NVQ; j++) kv[j] = loadv(kd + VW * j);
+            for (int c = 0; c < nh; c++) {
+                const float qd = qb[c * q_head + d];
+                for (int j = 0; j < NVQ; j++) s[c][j] += qd * kv[j];
+            }
         }
+        for (int c = 0; c < nh; c++) memcpy(p[c] + k0, s[c], sizeof s[c]);
     }
-    for (int c = 0; c < nh; c++) memcpy(acc + (r0 + c) * 64, o[c], sizeof o[c]);
+    float corr[4];
+    for (int c = 0; c < nh; c++) corr[c] = online_softmax(p[c], valid, scale, mx + r0 + c, sum + r0 + c);
+    for (int d0 = 0; d0 < 64; d0 += NVP * VW) {
+        vf o[4][NVP];
+        for (int c = 0; c < nh; c++)
+            for (int j = 0; j < NVP; j++) o[c][j] = loadv(acc + (r0 + c) * 64 + d0 + VW * j) * corr[c];
+        for (int64_t t = 0; t < valid; t++) {
+            const float *vt = v + off[t] + d0;
+            vf x[NVP];
+            for (int j = 0; j < NVP; j++) x[j] = loadv(vt + VW * j);
+            for (int c = 0; c < nh; c++) {
+                const float pc = p[c][t];
+                for (int j = 0; j < NVP; j++) o[c][j] += pc * x[j];
+            }
+        }
+        for (int c = 0; c < nh; c++) memcpy(acc + (r0 + c) * 64 + d0, o[c], sizeof o[c]);
+    }
 }
 
 /* Any D: one query head at a time, its accumulator in memory. */
 static void head_any(const float *qv, const float *kt, const float *v, const int64_t *off, int64_t valid, float scale,
                      int64_t D, float *a, float *mx, float *sum) {
-    v16 s[KB / 16] = {{0}};
+    vf s[KB / VW] = {{0}};
     for (int64_t d = 0; d < D; d++)
-        for (int j = 0; j < KB / 16; j++) s[j] += qv[d] * load16(kt + d * KB + 16 * j);
+        for (int j = 0; j < KB / VW; j++) s[j] += qv[d] * loadv(kt + d * KB + VW * j);
     float p[KB];
     memcpy(p, s, sizeof p);
     const float corr = online_softmax(p, valid, scale, mx, sum);
