@@ -8,6 +8,14 @@ a cell that takes R seconds on the reference machine is estimated to take ``R * 
 (the notebooks' long cells are dominated by the model's GEMMs). Each notebook states its long cells' R, measured at
 class size (`python -m cbnb.lab.classroom` re-measures every notebook's Run All).
 
+A machine whose cores other jobs hold (a shared server; a laptop running a video call) slows a decode step far more
+than its GEMM rate says: each of the model's small ops waits until every torch thread got a core, and with 2
+threads on 2 busy cores a 1 x 576 x 576 matmul took ~0.8 ms instead of ~0.06 ms on 1 thread (this project's shared
+machine at load 8, 2026-12-07), a 10x slower engine. The waits come in bursts, so one short timing can miss them:
+`measure()` keeps torch at 1 thread, and says so, where the 1-minute load average is at least the number of cores
+(more runnable jobs than cores) or a chain of small ops ran more than twice as fast at 1 thread as at the current
+count.
+
 The size is one variable: ``CBNB_SIZE=full`` (or ``SIZE = "full"`` in a notebook's first cell) runs the whole
 workloads of the README; "class" (the default) runs the smaller ones, which CI runs too (tests/test_notebooks.py).
 """
@@ -18,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["REFERENCE_FLOPS", "SIZES", "Machine", "measure", "size"]
+__all__ = ["BUSY_RATIO", "REFERENCE_FLOPS", "SIZES", "Machine", "measure", "size", "small_op_seconds"]
 
 #: fp32 GEMM FLOP/s of the reference class machine (a quiet 2-core laptop).
 REFERENCE_FLOPS = 65e9
@@ -47,31 +55,69 @@ class Machine:
         gemm_flops: FLOP/s of the fastest square GEMM pass (fp32, at `threads` torch threads).
         threads: torch threads when measured.
         n: the GEMM's size (n x n by n x n).
+        busy_from: the torch threads there were before `measure()` set 1 (their small ops waited on busy cores),
+            else None.
+        busy_ratio: how many times slower those small ops ran at `busy_from` threads than at 1.
+        load: the 1-minute load average when measured (None where the OS has none).
+        cores: the machine's logical cores.
     """
 
     gemm_flops: float
     threads: int
     n: int = 1024
+    busy_from: int | None = None
+    busy_ratio: float = 1.0
+    load: float | None = None
+    cores: int = 0
 
     @property
     def speed(self) -> float:
         """How many times faster than the reference class machine (GEMM rate / `REFERENCE_FLOPS`)."""
         return self.gemm_flops / REFERENCE_FLOPS
 
-    def seconds(self, reference_s: float) -> float:
-        """Estimated seconds here for what takes `reference_s` on the reference machine."""
-        return reference_s / max(self.speed, 1e-6)
+    @property
+    def shared(self) -> float:
+        """How many times longer a long cell takes because other jobs share the cores: the 1-minute load average
+        over the core count, at least 1. (`gemm_flops` is the fastest pass, what a core free of other jobs gives; over
+        a cell of many seconds a job gets about cores / load of the machine.)"""
+        if self.load is None or not self.cores:
+            return 1.0
+        return max(1.0, self.load / self.cores)
 
-    def estimate(self, what: str, reference_s: float) -> str:
+    def seconds(self, reference_s: float) -> float:
+        """Estimated seconds here for what takes `reference_s` on the reference machine (slower by `shared` where
+        other jobs hold the cores)."""
+        return reference_s / max(self.speed, 1e-6) * self.shared
+
+    def estimate(self, what: str, reference_s: float, at_least_s: float = 0.0) -> str:
         """One line for a notebook, e.g. "The sweep below: about 40 s here (90 s on the 65 GFLOP/s class
-        laptop)."."""
-        return (f"{what}: about {_dur(self.seconds(reference_s))} here ({_dur(reference_s)} on the "
-                f"{REFERENCE_FLOPS / 1e9:.0f} GFLOP/s class laptop).")
+        laptop).".
+
+        Args:
+            at_least_s: seconds the cell takes on any machine (runs that replay arrivals over wall time last at
+                least until their last arrival); the estimate is never below it, and says so when it is the bound.
+        """
+        here = self.seconds(reference_s)
+        if at_least_s > here:
+            return (f"{what}: at least {_dur(at_least_s)} here (its arrivals alone take that long; its compute, "
+                    f"{_dur(reference_s)} on the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s class laptop).")
+        return (f"{what}: about {_dur(here)} here ({_dur(reference_s)} on the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s "
+                "class laptop).")
 
     def __str__(self) -> str:
-        return (f"this machine: {self.gemm_flops / 1e9:.0f} GFLOP/s fp32 GEMM ({self.threads} torch thread"
+        line = (f"this machine: {self.gemm_flops / 1e9:.0f} GFLOP/s fp32 GEMM ({self.threads} torch thread"
                 f"{'s' if self.threads != 1 else ''}), {self.speed:.1f}x the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s "
                 "2-core class laptop")
+        if self.busy_from is not None:
+            load = f" (load average {self.load:.1f} on {self.cores} cores)" if self.load is not None else ""
+            seen = f" (here {self.busy_ratio:.0f}x slower than at 1)" if self.busy_ratio >= BUSY_RATIO else ""
+            line += (f"\nits cores are busy with other jobs{load}: at {self.busy_from} torch threads each of the "
+                     f"model's small ops waits for every thread to get a core{seen}, so torch now runs 1 thread "
+                     "(torch.set_num_threads)")
+        if self.shared > 1.0:
+            line += (f"\nthe estimates below allow for the other jobs: a long cell gets about 1/{self.shared:.1f} of "
+                     "the machine")
+        return line
 
 
 def _dur(s: float) -> str:
@@ -80,14 +126,54 @@ def _dur(s: float) -> str:
     return f"{s / 60:.1f} min"
 
 
-def measure(seconds: float = 1.0, n: int = 1024) -> Machine:
+def small_op_seconds(ops: int = 180, width: int = 576) -> float:
+    """Mean seconds per op of a chain of `ops` ``1 x width @ width x width`` fp32 matmuls (a decode step's shape;
+    576 is SmolLM2-135M's hidden size) at torch's current thread count. The mean, not the fastest: on busy cores the
+    waits come in bursts (a fast chain, then one 60x slower), and a decode step meets them all."""
+    import torch
+
+    a, w = torch.randn(1, width), torch.randn(width, width) / width ** 0.5
+    for _ in range(10):
+        a @ w
+    t0 = time.perf_counter()
+    x = a
+    for _ in range(ops):
+        x = x @ w
+    return (time.perf_counter() - t0) / ops
+
+
+#: 1 thread's small ops this many times faster than the current count's: the cores are busy, keep 1 thread.
+BUSY_RATIO = 2.0
+
+
+def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Machine:
     """Time an ``n x n`` fp32 matmul for about `seconds` (at least 3 passes after a warm-up) and keep the fastest.
+
+    With `busy_check` and more than one torch thread, first time a chain of a decode step's small matmuls
+    (`small_op_seconds`) at the current thread count and at 1 thread; where 1 thread is more than `BUSY_RATIO` times
+    faster, or the 1-minute load average is at least the core count (other jobs hold the cores), torch is left at
+    1 thread (``torch.set_num_threads(1)``) and the GEMM is timed there.
 
     Returns:
         `Machine` with the rate in FLOP/s (``2 n^3`` per pass).
     """
     import torch
 
+    busy_from, busy_ratio = None, 1.0
+    threads = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows has no load average
+        load = None
+    if busy_check and threads > 1:
+        many = small_op_seconds()
+        torch.set_num_threads(1)
+        one = small_op_seconds()
+        if many > BUSY_RATIO * one or (load is not None and load >= cores):
+            busy_from, busy_ratio = threads, many / one
+        else:
+            torch.set_num_threads(threads)
     a = torch.randn(n, n)
     b = torch.randn(n, n)
     torch.mm(a, b)  # warm-up: allocator, threads
@@ -97,7 +183,7 @@ def measure(seconds: float = 1.0, n: int = 1024) -> Machine:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
         passes += 1
-    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n)
+    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n, busy_from, busy_ratio, load, cores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         took = time.perf_counter() - t0
         m = Machine(max(before.gemm_flops, measure().gemm_flops), before.threads)
-        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about {took * m.speed:.0f} s on the "
-              "class laptop", flush=True)
+        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about "
+              f"{took * m.speed / m.shared:.0f} s on the class laptop", flush=True)
     return 0
 
 

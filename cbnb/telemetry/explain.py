@@ -125,6 +125,10 @@ class StoryEntry:
         return f"steps {self.step}-{self.last_step}"
 
 
+#: The states of a request that has not ended.
+LIVE_STATES = ("PENDING", "PREFILLING", "DECODING")
+
+
 @dataclass
 class RequestStory:
     """What happened to one request (see the module docstring).
@@ -164,6 +168,8 @@ class RequestStory:
         lines = [self.headline]
         if self.partial:
             lines.append("(the log no longer holds this request's first events)")
+        elif not self.entries and self.state in LIVE_STATES:
+            lines.append("(nothing logged for it yet: its events come as the step now running ends)")
         width = max([len(e.span()) for e in self.entries] + [8])
         for e in self.entries:
             line = f"{e.span():<{width}}  {e.text}"
@@ -493,7 +499,9 @@ class StoryBuilder:
             st.prompt_tokens = len(now.prompt_token_ids)
             st.max_new_tokens = now.max_new_tokens
             st.prompt_text = getattr(now, "prompt_text", None)
-        st.partial = not any(e.kind == "arrival" for e in self.entries)
+        # No entry at all for a live request: its first step has not ended yet (events are logged as steps end), not
+        # a log that dropped them.
+        st.partial = bool(self.entries) and not any(e.kind == "arrival" for e in self.entries)
         for entry in self.entries:  # the config may have changed since the entry was made
             if id(entry) in self._advice_of:
                 entry.advice = self._advice(entry)

@@ -10,7 +10,7 @@ import traitlets
 from . import _assets
 from .base import RequestPanel
 from .poller import Frame
-from .state import BOARD_COLUMNS, board_note, cap_live, prompt_label, request_rows
+from .state import BOARD_COLUMNS, board_note, cap_live, ended_not_kept, prompt_label, request_rows
 
 __all__ = ["RequestBoardPanel"]
 
@@ -49,7 +49,7 @@ class RequestBoardPanel(RequestPanel):
         super().__init__(engine, **kwargs)
 
     def _needs(self) -> set[str]:
-        return {"requests"}
+        return {"requests", "stats"}
 
     def _label(self, out: Any) -> str:
         hit = self._labels.get(out.request_id)
@@ -61,6 +61,10 @@ class RequestBoardPanel(RequestPanel):
         if frame.requests is None:
             return {}
         rows, counts, hidden = request_rows(frame.requests, self._max_finished, label=self._label)
+        # The engine lists only its newest ended requests: count the older ones too (from its cumulative counters).
+        for state, n in ended_not_kept(counts, (frame.stats or {}).get("cumulative")).items():
+            counts[state] += n
+            hidden += n
         rows, hidden_live = cap_live(rows, self._max_live)
         if len(self._labels) > 4 * (len(rows) + 64):
             keep = {r[0] for r in rows}

@@ -154,6 +154,29 @@ def board_note(counts: dict[str, int], hidden_live: int, hidden_ended: int) -> s
     return f"showing {live - hidden_live:,} of {live:,} live requests ({hidden_live:,} not listed: Cancel all reaches them)"
 
 
+#: The engine's cumulative counters (`stats()["cumulative"]`) of each ended state.
+ENDED_COUNTERS = {"FINISHED": "requests_finished", "FAILED": "requests_failed", "CANCELLED": "requests_cancelled"}
+
+
+def ended_not_kept(counts: dict[str, int], cumulative: dict[str, Any] | None) -> dict[str, int]:
+    """Ended requests the engine no longer lists, per state: its cumulative count minus those in its
+    `requests_snapshot()` (which keeps the newest 256 ended). Without them the board said "256 finished" after a
+    simulated sweep of 13,785 requests (the teacher's trial of issue 40) while the timeline counted 13,785.
+
+    Args:
+        counts: per state, over the snapshot (`request_rows`).
+        cumulative: `engine.stats()["cumulative"]`, or None (an engine without it: nothing is added).
+    """
+    if not cumulative:
+        return {}
+    out = {}
+    for state, key in ENDED_COUNTERS.items():
+        extra = int(cumulative.get(key) or 0) - counts.get(state, 0)
+        if extra > 0:
+            out[state] = extra
+    return out
+
+
 #: Columns of the request board, in order (ms = milliseconds).
 BOARD_COLUMNS = ("id", "state", "output_tokens", "max_new_tokens", "prompt_tokens", "ttft_ms", "queue_ms",
                  "prefix_cached_tokens", "offloads", "soft_resets", "sampling", "error", "warning", "finish_reason",

@@ -117,3 +117,15 @@ def test_partial_log_is_said():
         log.append(StepPlanned(s, 0.0, "fifo", [], [("request_cap", ["a"], {"cap": 1})], [], 64, 0, 0, 0))
     story = explain_request(log, "a")
     assert story.partial and "no longer holds" in story.text()
+
+
+def test_a_live_request_with_no_event_yet_is_not_said_to_be_dropped():
+    """Found in the teacher's trial (issue 40): Why? on a request whose first step was still running (the board:
+    DECODING, "1st token in flight") said "the log no longer holds this request's first events" of a log that had
+    dropped nothing: nothing was logged for it yet."""
+    from cbnb.core.requests import RequestOutput, RequestState
+
+    now = RequestOutput("b", [1] * 16, [], state=RequestState.DECODING, max_new_tokens=3)
+    story = StoryBuilder("b").story(now)
+    assert not story.partial and "no longer holds" not in story.text()
+    assert "nothing logged for it yet" in story.text() and story.headline.startswith("b (16 prompt tokens): DECODING")
