@@ -299,7 +299,7 @@ def _started(gguf: Any, threads: int, n: int, extra: dict[str, Any],
     try:
         srv = LlamaServer(gguf, threads=threads, parallel=n, ctx=extra["ctx"], launcher=launcher).__enter__()
     except ServerCrashed as e:
-        extra["fallback"] = f"{NO_REPACK}: without it {str(e).splitlines()[0][:120]}"
+        extra["fallback"] = f"{NO_REPACK}: without it {str(e).splitlines()[0].split(': ')[0][:120]}"  # no log: rounds alike
         srv = LlamaServer(gguf, threads=threads, parallel=n, ctx=extra["ctx"], launcher=launcher,
                           extra_args=[NO_REPACK]).__enter__()
     extra["argv"] = srv.argv
