@@ -11,6 +11,7 @@ from typing import Any
 
 import traitlets
 
+from ..core.config import SCHEDULER_TYPES
 from . import _assets
 from .base import Panel
 from .poller import Frame
@@ -35,8 +36,9 @@ FIELDS: list[dict[str, Any]] = [
      "help": "Query tokens per step (prompt chunks + one per decoding request). Larger: faster, choppier."},
     {"name": "max_requests_per_batch", "group": "scheduling", "kind": "range", "min": 1, "max": 512, "step": 1, "unit": "requests",
      "help": "Requests in one step at most; also sizes the logits buffer."},
-    {"name": "scheduler_type", "group": "scheduling", "kind": "select", "options": ["fifo", "prefill_first"],
-     "help": "fifo: admit in arrival order and keep a safety margin; prefill_first: prompts before decodes."},
+    {"name": "scheduler_type", "group": "scheduling", "kind": "select", "options": list(SCHEDULER_TYPES),
+     "help": "fifo: admit in arrival order and keep a safety margin; prefill_first: prompts before decodes; "
+             "vllm: vLLM V1's policy (decodes first, strict arrival order, newest recomputed when the cache is full)."},
     {"name": "safety_margin", "group": "scheduling", "kind": "range", "min": 0.0, "max": 0.5, "step": 0.01, "unit": "fraction",
      "help": "Share of the cache kept free before new requests are admitted (fifo default 0.15)."},
     {"name": "allow_block_sharing", "group": "cache", "kind": "toggle",

@@ -276,6 +276,10 @@ def test_config_preview_code_and_validation(engine):
     assert p.values["page_size"] == 16 and p.memory["error"] == ""
     p.set(sizing="max_memory_percent", max_memory_percent=0.05)
     assert p.memory["error"] == "" and p.memory["num_blocks"] > 64 and "num_blocks" not in p.code
+    # every scheduler the config accepts is offered; vLLM's has no transformers spelling, and the code says so
+    assert next(f for f in p.fields if f["name"] == "scheduler_type")["options"] == ["fifo", "prefill_first", "vllm"]
+    p.set(scheduler_type="vllm")
+    assert p.memory["error"] == "" and "no transformers equivalent" in p.code and "'vllm'" not in p.code.split("\n")[-2]
 
 
 def test_config_apply_retunes_between_runs_and_keeps_queued_requests(engine):
