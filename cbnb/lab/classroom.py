@@ -8,6 +8,12 @@ a cell that takes R seconds on the reference machine is estimated to take ``R * 
 (the notebooks' long cells are dominated by the model's GEMMs). Each notebook states its long cells' R, measured at
 class size (`python -m cbnb.lab.classroom` re-measures every notebook's Run All).
 
+A simulation (notebook 05) runs no GEMM: its time is the scheduler's and the cost model's Python, so its cells are
+scaled by a pure-Python probe instead (`python_probe_seconds`, about 0.1 s): ``R * python_s / REFERENCE_PYTHON_S``.
+The class laptop's Python speed was not measured: `REFERENCE_PYTHON_S` assumes it runs Python at half the speed of
+the Xeon the probe was calibrated on (2026-12-07, where notebook 05's sweep took 56 s against the 31 s its GEMM
+rate predicted), a conservative guess (single-thread Python differs far less between CPUs than GEMM rates do).
+
 A machine whose cores other jobs hold (a shared server; a laptop running a video call) slows a decode step far more
 than its GEMM rate says: each of the model's small ops waits until every torch thread got a core, and with 2
 threads on 2 busy cores a 1 x 576 x 576 matmul took ~0.8 ms instead of ~0.06 ms on 1 thread (this project's shared
@@ -26,10 +32,15 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["BUSY_RATIO", "REFERENCE_FLOPS", "SIZES", "Machine", "measure", "size", "small_op_seconds"]
+__all__ = ["BUSY_RATIO", "REFERENCE_FLOPS", "REFERENCE_PYTHON_S", "SIZES", "Machine", "measure", "python_probe_seconds",
+           "size", "small_op_seconds"]
 
 #: fp32 GEMM FLOP/s of the reference class machine (a quiet 2-core laptop).
 REFERENCE_FLOPS = 65e9
+
+#: `python_probe_seconds()` on the reference class machine (assumed: twice the 0.022 s measured on a 2-core Xeon,
+#: Sapphire Rapids, 2026-12-07; see the module docstring).
+REFERENCE_PYTHON_S = 0.044
 
 #: The notebooks' sizes: "class" (Run All within a class slot on the reference machine) and "full".
 SIZES = ("class", "full")
@@ -60,6 +71,8 @@ class Machine:
         busy_ratio: how many times slower those small ops ran at `busy_from` threads than at 1.
         load: the 1-minute load average when measured (None where the OS has none).
         cores: the machine's logical cores.
+        python_s: seconds of the pure-Python probe (`python_probe_seconds`, fastest pass), None where not measured
+            (Python-bound estimates then scale by the GEMM rate).
     """
 
     gemm_flops: float
@@ -69,11 +82,18 @@ class Machine:
     busy_ratio: float = 1.0
     load: float | None = None
     cores: int = 0
+    python_s: float | None = None
 
     @property
     def speed(self) -> float:
         """How many times faster than the reference class machine (GEMM rate / `REFERENCE_FLOPS`)."""
         return self.gemm_flops / REFERENCE_FLOPS
+
+    @property
+    def python_speed(self) -> float:
+        """How many times faster at pure Python than the reference class machine (`REFERENCE_PYTHON_S` /
+        `python_s`); `speed` where the probe was not run."""
+        return REFERENCE_PYTHON_S / self.python_s if self.python_s else self.speed
 
     @property
     def shared(self) -> float:
@@ -84,20 +104,29 @@ class Machine:
             return 1.0
         return max(1.0, self.load / self.cores)
 
-    def seconds(self, reference_s: float) -> float:
+    def seconds(self, reference_s: float, bound: str = "gemm") -> float:
         """Estimated seconds here for what takes `reference_s` on the reference machine (slower by `shared` where
-        other jobs hold the cores)."""
-        return reference_s / max(self.speed, 1e-6) * self.shared
+        other jobs hold the cores). `bound`: "gemm" (the model's matmuls: scaled by `speed`) or "python" (a
+        simulation: scaled by `python_speed`).
 
-    def estimate(self, what: str, reference_s: float, at_least_s: float = 0.0) -> str:
+        Raises:
+            ValueError: `bound` is neither "gemm" nor "python".
+        """
+        if bound not in ("gemm", "python"):
+            raise ValueError(f"bound must be 'gemm' or 'python'; got {bound!r}")
+        speed = self.speed if bound == "gemm" else self.python_speed
+        return reference_s / max(speed, 1e-6) * self.shared
+
+    def estimate(self, what: str, reference_s: float, at_least_s: float = 0.0, bound: str = "gemm") -> str:
         """One line for a notebook, e.g. "The sweep below: about 40 s here (90 s on the 65 GFLOP/s class
         laptop).".
 
         Args:
             at_least_s: seconds the cell takes on any machine (runs that replay arrivals over wall time last at
                 least until their last arrival); the estimate is never below it, and says so when it is the bound.
+            bound: what the cell's time scales with, as in `seconds`.
         """
-        here = self.seconds(reference_s)
+        here = self.seconds(reference_s, bound)
         if at_least_s > here:
             return (f"{what}: at least {_dur(at_least_s)} here (its arrivals alone take that long; its compute, "
                     f"{_dur(reference_s)} on the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s class laptop).")
@@ -108,6 +137,8 @@ class Machine:
         line = (f"this machine: {self.gemm_flops / 1e9:.0f} GFLOP/s fp32 GEMM ({self.threads} torch thread"
                 f"{'s' if self.threads != 1 else ''}), {self.speed:.1f}x the {REFERENCE_FLOPS / 1e9:.0f} GFLOP/s "
                 "2-core class laptop")
+        if self.python_s:
+            line += f"; Python {self.python_speed:.1f}x its (assumed) speed"
         if self.busy_from is not None:
             load = f" (load average {self.load:.1f} on {self.cores} cores)" if self.load is not None else ""
             seen = f" (here {self.busy_ratio:.0f}x slower than at 1)" if self.busy_ratio >= BUSY_RATIO else ""
@@ -142,12 +173,43 @@ def small_op_seconds(ops: int = 180, width: int = 576) -> float:
     return (time.perf_counter() - t0) / ops
 
 
+def python_probe_seconds(passes: int = 5, n: int = 100_000) -> float:
+    """Fastest of `passes` runs of a fixed pure-Python loop shaped like a scheduler step (attribute updates, list
+    appends, dict stores, a keyed sort over 64 requests; `n` updates in all): the seconds one pass takes, about 0.022 s
+    on a Sapphire Rapids Xeon. The fastest pass counts: other jobs only slow a pass down."""
+
+    class _Req:
+        __slots__ = ("rid", "blocks", "done")
+
+        def __init__(self, rid: int):
+            self.rid, self.blocks, self.done = rid, [], 0
+
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        live, table = [_Req(i) for i in range(64)], {}
+        for step in range(n // 64):
+            for r in live:
+                r.blocks.append(step)
+                r.done += 1
+                table[(r.rid, step & 15)] = len(r.blocks)
+            live.sort(key=lambda r: (r.done, -r.rid))
+            if len(table) > 4096:
+                table.clear()
+            for r in live:
+                if len(r.blocks) > 32:
+                    del r.blocks[:16]
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 #: 1 thread's small ops this many times faster than the current count's: the cores are busy, keep 1 thread.
 BUSY_RATIO = 2.0
 
 
-def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Machine:
-    """Time an ``n x n`` fp32 matmul for about `seconds` (at least 3 passes after a warm-up) and keep the fastest.
+def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True, python: bool = True) -> Machine:
+    """Time an ``n x n`` fp32 matmul for about `seconds` (at least 3 passes after a warm-up) and keep the fastest;
+    with `python`, also the pure-Python probe (`python_probe_seconds`, about 0.1 s).
 
     With `busy_check` and more than one torch thread, first time a chain of a decode step's small matmuls
     (`small_op_seconds`) at the current thread count and at 1 thread; where 1 thread is more than `BUSY_RATIO` times
@@ -183,12 +245,13 @@ def measure(seconds: float = 1.0, n: int = 1024, busy_check: bool = True) -> Mac
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
         passes += 1
-    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n, busy_from, busy_ratio, load, cores)
+    python_s = python_probe_seconds() if python else None
+    return Machine(2.0 * n ** 3 / best, torch.get_num_threads(), n, busy_from, busy_ratio, load, cores, python_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run All of each example notebook at its class size (or ``--size full``), headless, and print its time next to
-    this machine's GEMM rate and the time that rate predicts on the reference machine."""
+    this machine's GEMM rate and Python speed, and the times they predict on the reference machine."""
     import argparse
     import pathlib
 
@@ -208,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         NotebookClient(nb, timeout=1800, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         took = time.perf_counter() - t0
-        m = Machine(max(before.gemm_flops, measure().gemm_flops), before.threads)
-        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> about "
-              f"{took * m.speed / m.shared:.0f} s on the class laptop", flush=True)
+        after = measure()
+        m = Machine(max(before.gemm_flops, after.gemm_flops), before.threads,
+                    python_s=min(before.python_s or 1.0, after.python_s or 1.0))
+        print(f"{path.name}: Run All {took:.0f} s at size {args.size} on {m} -> on the class laptop about "
+              f"{took * m.speed / m.shared:.0f} s if its time is the model's GEMMs, "
+              f"{took * m.python_speed / m.shared:.0f} s if it is Python (a simulation)", flush=True)
     return 0
 
 

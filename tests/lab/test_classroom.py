@@ -88,3 +88,21 @@ def test_estimates_allow_for_other_jobs_on_the_cores():
     assert busy.shared == pytest.approx(3.2) and busy.seconds(80) == pytest.approx(128)
     assert "a long cell gets about 1/3.2 of the machine" in str(busy)
     assert Machine(REFERENCE_FLOPS, 2).shared == 1.0  # no load average (Windows): no allowance
+
+
+def test_a_simulation_is_scaled_by_python_speed_not_the_gemm_rate():
+    """Found on a Sapphire Rapids Xeon (5.5x the class laptop's GEMM rate): notebook 05's simulated sweep said
+    "about 30 s here" and took 54 s, since a simulation runs no GEMM. Its cells now scale by the Python probe."""
+    from cbnb.lab.classroom import REFERENCE_PYTHON_S, python_probe_seconds
+
+    fast_gemm = Machine(5 * REFERENCE_FLOPS, 2, python_s=REFERENCE_PYTHON_S / 2)
+    assert fast_gemm.python_speed == pytest.approx(2.0)
+    assert fast_gemm.seconds(100) == pytest.approx(20) and fast_gemm.seconds(100, "python") == pytest.approx(50)
+    assert fast_gemm.estimate("The sweep", 110, bound="python") == (
+        "The sweep: about 55 s here (1.8 min on the 65 GFLOP/s class laptop).")
+    assert "Python 2.0x its (assumed) speed" in str(fast_gemm)
+    assert Machine(2 * REFERENCE_FLOPS, 2).python_speed == pytest.approx(2.0)  # not probed: the GEMM rate stands in
+    with pytest.raises(ValueError, match="bound must be 'gemm' or 'python'"):
+        fast_gemm.seconds(1, "disk")
+    probe = python_probe_seconds(passes=2, n=6_400)
+    assert 0 < probe < 5
