@@ -100,12 +100,22 @@ def announce_stop(engine: Any, exc: BaseException, message: str) -> None:
     try:
         exc.add_note(message)
         exc._cbnb_stop_said = True  # type: ignore[attr-defined]
+        # IPython renders an exception with this method instead of its traceback: a stopped cell shows one line
+        # next to the message, not the ~40 lines of engine internals the interrupt happened to land in.
+        exc._render_traceback_ = lambda: [_short_stop(exc)]  # type: ignore[attr-defined]
     except Exception:  # an exception type that takes no attributes
         pass
     import sys
 
     print(message, file=sys.stderr, flush=True)
     _tell_stop(engine, message)
+
+
+def _short_stop(exc: BaseException) -> str:
+    """The line IPython shows for a stop cbnb announced, e.g. "KeyboardInterrupt: the cell was stopped (cbnb's
+    line above says what it cancelled)"."""
+    why = "the cell was stopped" if isinstance(exc, KeyboardInterrupt) else (str(exc) or "timed out")
+    return f"{type(exc).__name__}: {why} (cbnb's line above says what it cancelled)"
 
 
 class stop_guard:

@@ -147,3 +147,32 @@ def test_an_interrupt_cancels_everything_the_call_submitted_on_the_simulator(cal
     assert _live(sim) == [], "the simulator still holds requests of the interrupted call"
     err = capsys.readouterr().err
     assert "cbnb: run interrupted: cancelled" in err or "cbnb: sweep interrupted between its runs" in err, err
+
+
+def test_ipython_shows_a_stopped_cell_as_one_line_not_a_traceback(tmp_path):
+    """Found in the teacher's trial (issue 40): the stop button's one-line message sat above a ~40-line
+    KeyboardInterrupt traceback through the engine's internals. A stop cbnb announced renders as one line in IPython
+    (in a subprocess: an InteractiveShell is process-wide); any other interrupt keeps its traceback."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cell.py"
+    script.write_text(
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "sh = InteractiveShell.instance()\n"
+        "sh.run_cell('from cbnb.lab.driver import announce_stop\\n'\n"
+        "            'def deep(n):\\n    if n == 0:\\n        raise KeyboardInterrupt\\n    deep(n - 1)\\n'\n"
+        "            'try:\\n    deep(30)\\n'\n"
+        "            'except KeyboardInterrupt as e:\\n'\n"
+        "            '    announce_stop(None, e, \"cbnb: run interrupted: cancelled 3 unfinished requests\")\\n'\n"
+        "            '    raise\\n')\n"
+        "print('=== other')\n"
+        "sh.run_cell('def deep(n):\\n    if n == 0:\\n        raise KeyboardInterrupt\\n    deep(n - 1)\\ndeep(3)')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT)
+    import re
+
+    ours, other = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).split("=== other")  # IPython's colours
+    assert "cbnb: run interrupted: cancelled 3 unfinished requests" in out.stderr
+    assert "KeyboardInterrupt: the cell was stopped (cbnb's line above says what it cancelled)" in ours
+    assert "deep(n - 1)" not in ours and len(ours.strip().splitlines()) <= 2, ours
+    assert "deep(n - 1)" in other  # an interrupt cbnb did not handle keeps IPython's traceback

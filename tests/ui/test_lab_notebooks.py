@@ -189,4 +189,10 @@ def test_nb04_stop_button_during_the_sweep_cancels_everything_it_submitted(lab, 
     live = lab.kernel_eval({"v": "sum(not o.finished for o in engine.requests_snapshot())"})["v"]
     assert live == "0", f"{live} requests still live in the engine after the stop button"
     (ARTIFACTS / "nb04_stop.json").write_text(json.dumps({"stop_click_to_board_clear_s": round(stopped_s, 3)}))
+    # the cell shows the one line and one short error line, not a traceback through the engine's internals
+    out = page.evaluate("""(needle) => { const cell = [...document.querySelectorAll('.jp-CodeCell')].find(
+        c => (c.querySelector('.jp-InputArea') || {textContent: ''}).textContent.includes(needle));
+        return cell ? cell.querySelector('.jp-OutputArea').innerText : ''; }""", "result = sweep(")
+    assert "KeyboardInterrupt: the cell was stopped (cbnb's line above says what it cancelled)" in out, out
+    assert "Traceback" not in out and "File " not in out and "cbnb/" not in out, out
     shots(page, "42-nb04-stopped-during-the-sweep", ".cbnb-board")
