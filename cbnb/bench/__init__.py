@@ -20,6 +20,7 @@ here, never from a timed test. Examples::
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_kernels=off,cpu_kernels=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants onednn_linear=off,onednn_linear=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants packed_linear=off,packed_linear=on --repeat 5
+    python -m cbnb.bench --workload cpu-32 --peers cbnb --variants mkl_gemv=off,mkl_gemv=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_layers=off,cpu_layers=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants cpu_prefill=off,cpu_prefill=on --repeat 5
     python -m cbnb.bench --workload cpu-32 --peers cbnb --variants sampled=off,sampled=on --repeat 3

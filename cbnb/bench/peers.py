@@ -311,7 +311,7 @@ JSON_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "item
 #: Variants that switch an environment variable of the CPU fast path for their run.
 _ENV_VARIANTS = {"cpu_kernels": "CBNB_CPU_KERNELS", "onednn_linear": "CBNB_ONEDNN_LINEAR",
                  "packed_linear": "CBNB_PACKED_LINEAR", "cpu_layers": "CBNB_CPU_LAYERS",
-                 "cpu_prefill": "CBNB_CPU_PREFILL"}
+                 "cpu_prefill": "CBNB_CPU_PREFILL", "mkl_gemv": "CBNB_MKL_GEMV"}
 
 
 def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
@@ -319,8 +319,9 @@ def run_variant(model, tokenizer, wl, config, variant: str) -> PeerResult:
     "use_async_batching=...", "default_compile_level=0..3", "cpu_kernels=off|on" (the decode kernel and the oneDNN
     linears), "onednn_linear=off|on" (the linears alone, `cbnb.runner.cpu.cpu_linear`), "packed_linear=off|on" (their
     packed weights and fused projections alone), "cpu_layers=off|on" (the decoder-layer forward with C ops alone,
-    `cbnb.runner.cpu.cpu_layers`), "cpu_prefill=off|on" (the prefill rows' attention kernel alone), "sampled=off|on" (every
-    request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run),
+    `cbnb.runner.cpu.cpu_layers`), "cpu_prefill=off|on" (the prefill rows' attention kernel alone),
+    "mkl_gemv=off|on" (1-row linears through torch's BLAS instead of oneDNN, `cpu_linear.gemv`), "sampled=off|on"
+    (every request samples with `SAMPLED`: temperature + top-p + repetition penalty; "sampled=off" is the greedy run),
     "json_schema=off|on" (every request constrained by `JSON_SCHEMA`; ``extra["grammar"]``: the mask's host time,
     `cbnb.runner.grammar.Stats`, and ``mask_ms_per_step``, what the steps waited for masks)."""
     key, _, val = variant.partition("=")

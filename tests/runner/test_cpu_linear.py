@@ -54,6 +54,34 @@ def test_routed_linear_takes_onednn_only_inside_the_block_and_matches_f_linear(m
     assert _routed(model) == 0 and "forward" not in lin.__dict__
 
 
+@needs_onednn
+def test_one_row_takes_torchs_blas_unless_told_not_to(monkeypatch):
+    """A lone request's decode step (one row) was 30-60 % slower through oneDNN than F.linear on the Xeon this was
+    measured on (`cpu_linear.gemv`): one row takes F.linear, bitwise; CBNB_MKL_GEMV=0 gives it oneDNN again."""
+    lin = torch.nn.Linear(64, 96).requires_grad_(False)
+    one, two = torch.randn(1, 1, 64), torch.randn(1, 2, 64)
+    calls = []
+    real = cpu_linear._op()
+    cpu_linear.available("packed")
+    monkeypatch.setattr(cpu_linear, "_op", lambda: lambda *a: calls.append(a[0].shape) or real(*a))
+    model = torch.nn.Sequential(lin)
+    cpu_linear.route(model)
+    try:
+        with cpu_linear.onednn():
+            got = lin(one)
+            lin(two)
+        assert calls == [(1, 2, 64)]
+        torch.testing.assert_close(got, F.linear(one, lin.weight, lin.bias), rtol=0, atol=0)
+        monkeypatch.setenv("CBNB_MKL_GEMV", "0")
+        with cpu_linear.onednn():
+            lin(one)
+        assert calls[-1] == (1, 1, 64)
+        assert cpu_linear.runner_linear(torch.float32)(one[0], lin.weight).shape == (1, 96)
+        assert calls[-1] == (1, 64)  # the probes' linear follows the same switch
+    finally:
+        cpu_linear.unroute(model)
+
+
 class _Attn(torch.nn.Module):
     def __init__(self, bias: bool) -> None:
         super().__init__()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .cpu_kernels import enabled
 
-__all__ = ["available", "wanted", "packing", "onednn", "route", "unroute", "runner_linear", "fused_groups",
+__all__ = ["available", "wanted", "packing", "gemv", "onednn", "route", "unroute", "runner_linear", "fused_groups",
            "packed_bytes", "bytes_to_pack"]
 
 _local = threading.local()
@@ -97,6 +97,8 @@ def onednn() -> Iterator[None]:
     """Routed linears of this thread take the oneDNN op inside the block (nesting allowed). Fused outputs not yet
     taken are dropped when the outermost block ends."""
     depth = getattr(_local, "depth", 0)
+    if depth == 0:
+        _local.gemv = gemv()  # read once per forward, not per linear
     _local.depth = depth + 1
     try:
         yield
@@ -172,8 +174,21 @@ def _own_pack(m: torch.nn.Linear) -> _Pack:
     return p
 
 
+def gemv() -> bool:
+    """A linear over one row (a lone request's decode step) takes ``F.linear`` (torch's BLAS), unless
+    ``CBNB_MKL_GEMV`` is 0. Measured on a 2-core Sapphire Rapids Xeon (2026-12-07): SmolLM2-135M's 1-row decode
+    forward took 33-37 ms so against 47-61 ms through oneDNN (its packed layout is chosen for many rows), equal from
+    4 rows up. Not measured on an AVX2-only machine."""
+    return not _off("CBNB_MKL_GEMV")
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1] and getattr(_local, "gemv", True)
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_local, "depth", 0) and x.numel() and x.dtype == torch.float32 and not x.requires_grad:
+    if getattr(_local, "depth", 0) and x.numel() and x.dtype == torch.float32 and not x.requires_grad \
+            and not _one_row(x):
         d = self.__dict__
         if _GROUP in d:
             g, i = d[_GROUP]
@@ -215,7 +230,11 @@ def runner_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], 
     reorder = _reorder()
     packs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
+    one_row = gemv()
+
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if one_row and x.numel() == x.shape[-1]:
+            return F.linear(x, w)  # as the engine's 1-row linears (`gemv`)
         held = packs.get(id(w))
         if held is None or held[0] is not w or held[1] != w._version:
             held = packs[id(w)] = (w, w._version, reorder(w.detach(), _PACK_ROWS))
