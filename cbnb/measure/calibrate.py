@@ -143,7 +143,9 @@ def calibrate(shape: Any = "smollm2-135m", *, dtype: str = "float32", name: str 
         if threads:
             torch.set_num_threads(threads)
         try:
-            res = impl.fit_factors(s, profile, log, model=model)
+            from ._torch_fit import fit_factors  # the torch back-end's engine runs (not in _torch since the split)
+
+            res = fit_factors(s, profile, log, model=model)
         finally:
             torch.set_num_threads(threads_before)
         details = dict(profile.provenance["details"], cost_factor_fit=res)

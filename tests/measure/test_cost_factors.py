@@ -52,3 +52,14 @@ def test_a_group_the_runs_never_use_keeps_factor_one(monkeypatch):
     monkeypatch.setattr(impl, "_engine_steps", lambda m, r, p, n: [s for s in fake(m, r, p, n) if s[1][0][1] == 1])
     res = impl.fit_factors(TOY, prof, lambda *a: None, model=object())
     assert res["factors"]["attention"] == 1.0  # no prefill step: nothing to fit it on
+
+
+def test_calibrate_fits_the_factors_through_the_torch_back_end(monkeypatch):
+    """Found running `python -m cbnb.measure.validate` (2026-12-07): after the measuring moved to cbnb/measure,
+    calibrate() still looked for fit_factors in _torch (AttributeError); every test had called it with quick=True,
+    which fits nothing. Here the fit runs, on fake engine steps."""
+    from cbnb.measure.calibrate import calibrate
+
+    monkeypatch.setattr(impl, "_engine_steps", _fake_runs(CPU.replace(decode_kernel_bandwidth=2e8, threads=1)))
+    prof = calibrate(TOY, save=False, quick=True, fit=True, model=object())
+    assert prof.cost_factors and "fitted on" in prof.notes
