@@ -353,9 +353,9 @@ async function render({ model, el }) {
     ro = new ResizeObserver((entries) => {
       for (const en of entries) {
         const d = en.target, w = Math.round(en.contentRect.width);
-        if (!w || widths.get(d) === w) continue;
+        if (!w || widths.get(d) === w || !(P && d._fullLayout)) continue; // not drawn yet: its first draw fits
         widths.set(d, w);
-        if (P && d._fullLayout) P.Plots.resize(d);
+        P.Plots.resize(d);
       }
     });
     plots.forEach((d) => ro.observe(d));

@@ -208,7 +208,12 @@ def _check(s, screen: Screen, scale: int, theme: str) -> dict:
     assert fb["contrast"] >= (2.5 if theme == "dark" else 1.2), (tag, fb)
     # The plots: the "Tokens per step" right-axis title whole, inside its chart.
     _show(page, ".cbnb-plots .js-plotly-plot")
+    # (Plotly resizes a chart ~100 ms after its cell changed width, later on a loaded machine: wait for the fit)
     page.wait_for_function(f"() => ({_Y2})() && ({_Y2})().text", timeout=30_000)
+    try:
+        page.wait_for_function(f"() => {{ const y = ({_Y2})(); return y.svg[1] <= y.chart[1] + 1; }}", timeout=30_000)
+    except Exception:
+        pass  # the assertions below say what does not fit
     y2 = seen["y2"] = page.evaluate(_Y2)
     screen.shot(f"projector-plots-{tag}.png")
     assert y2["text"] == "decode tokens", (tag, y2)
