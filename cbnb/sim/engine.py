@@ -103,6 +103,8 @@ class SimEngine(SimDriving, EngineShell):
 
     tokenizer = None
     default_eos: frozenset[int] = frozenset()
+    #: Its tokens are placeholders (`cbnb.sim.executor.SIM_TOKEN`): panels show how many, not their ids.
+    placeholder_tokens = True
 
     def __init__(self, shape: Any, profile: Any, config: ContinuousBatchingConfig | None = None, *,
                  dtype: Any = None, async_batching: bool | None = None, telemetry: bool = True,

@@ -48,10 +48,13 @@ class TextTracker:
     Args:
         tokenizer: a transformers tokenizer, or None (then the text shows token ids).
         max_chars: keep at most this many trailing characters per request (a leading "…" marks a cut).
+        placeholders: the engine's tokens stand for no text (a simulation's): the text says how many there are,
+            e.g. "12 tokens (simulated: no text)", instead of repeating a placeholder id ("42 42 42 …").
     """
 
-    def __init__(self, tokenizer: Any, max_chars: int = 4000) -> None:
+    def __init__(self, tokenizer: Any, max_chars: int = 4000, placeholders: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.placeholders = placeholders
         self.max_chars = max_chars
         self._cache: dict[str, tuple[int, int, str, str]] = {}  # id -> (n tokens, stable n, stable text, text)
         self._labels: dict[str, str] = {}  # id -> the prompt's first words
@@ -63,7 +66,10 @@ class TextTracker:
         hit = self._cache.get(request_id)
         if hit is not None and hit[0] == n and not final_text:
             return hit[3]
-        if final_text:
+        if self.placeholders:
+            text = f"{n} token{'' if n == 1 else 's'} (simulated: no text)"
+            stable_n, stable_text = 0, ""
+        elif final_text:
             text = final_text
             stable_n, stable_text = n, final_text
         elif self.tokenizer is None:

@@ -36,7 +36,8 @@ class TokenStreamPanel(RequestPanel):
     def __init__(self, engine: Any, *, max_finished: int = 12, max_live: int = 48, max_chars: int = 4000,
                  **kwargs: Any) -> None:
         self._max_finished, self._max_live = max_finished, max_live
-        self._texts = TextTracker(getattr(engine, "tokenizer", None), max_chars=max_chars)
+        self._texts = TextTracker(getattr(engine, "tokenizer", None), max_chars=max_chars,
+                                  placeholders=bool(getattr(engine, "placeholder_tokens", False)))
         super().__init__(engine, **kwargs)
 
     def _needs(self) -> set[str]:

@@ -38,3 +38,25 @@ def test_ended_not_kept_adds_nothing_without_counters_or_when_all_are_listed():
     assert ended_not_kept(counts, {"requests_finished": 5, "requests_cancelled": 1}) == {}
     assert ended_not_kept(counts, {"requests_finished": 9, "requests_failed": 2, "requests_cancelled": 1}) == \
         {"FINISHED": 4, "FAILED": 2}
+
+
+def test_a_simulations_token_stream_says_how_many_tokens_not_placeholder_ids():
+    """The teacher's trial saw notebook 05's token stream read "42 42 42 ..." (the simulator's placeholder token,
+    one per generated token). A simulation's stream now says how many tokens each request has; a real engine without
+    a tokenizer still shows its ids."""
+    from cbnb.ui import Dashboard
+    from cbnb.ui.state import TextTracker
+
+    sim = SimEngine(load_shape("smollm2-135m"), load_profile("h100-sxm"), ContinuousBatchingConfig())
+    sim.submit([5] * 20, max_new_tokens=3, ignore_eos=True)
+    sim.submit([6] * 20, max_new_tokens=1, ignore_eos=True)
+    sim.run()
+    d = Dashboard(sim, start=False)
+    try:
+        d.poller.tick(force=True)
+        assert d.poller.errors == []
+        texts = sorted(item["text"] for item in d.stream.items)
+        assert texts == ["1 token (simulated: no text)", "3 tokens (simulated: no text)"], texts
+    finally:
+        d.close()
+    assert TextTracker(None).text("a", [42, 42]) == "42 42"
