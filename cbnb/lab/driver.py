@@ -101,14 +101,27 @@ def announce_stop(engine: Any, exc: BaseException, message: str) -> None:
         exc.add_note(message)
         exc._cbnb_stop_said = True  # type: ignore[attr-defined]
         # IPython renders an exception with this method instead of its traceback: a stopped cell shows one line
-        # next to the message, not the ~40 lines of engine internals the interrupt happened to land in.
-        exc._render_traceback_ = lambda: [_short_stop(exc)]  # type: ignore[attr-defined]
+        # next to the message, not the ~40 lines of engine internals the interrupt happened to land in. Only under
+        # IPython: the method cannot be pickled (a process pool's worker sends its exceptions back pickled).
+        if _in_ipython():
+            exc._render_traceback_ = lambda: [_short_stop(exc)]  # type: ignore[attr-defined]
     except Exception:  # an exception type that takes no attributes
         pass
     import sys
 
     print(message, file=sys.stderr, flush=True)
     _tell_stop(engine, message)
+
+
+def _in_ipython() -> bool:
+    """An IPython shell runs in this process (a notebook's kernel, the ipython REPL)."""
+    import sys
+
+    ip = sys.modules.get("IPython")
+    try:
+        return ip is not None and ip.get_ipython() is not None
+    except Exception:
+        return False
 
 
 def _short_stop(exc: BaseException) -> str:

@@ -176,3 +176,16 @@ def test_ipython_shows_a_stopped_cell_as_one_line_not_a_traceback(tmp_path):
     assert "KeyboardInterrupt: the cell was stopped (cbnb's line above says what it cancelled)" in ours
     assert "deep(n - 1)" not in ours and len(ours.strip().splitlines()) <= 2, ours
     assert "deep(n - 1)" in other  # an interrupt cbnb did not handle keeps IPython's traceback
+
+
+def test_outside_ipython_a_stopped_calls_exception_still_pickles():
+    """The one-line rendering is IPython's only (a method on the exception, which pickle cannot carry): outside it
+    the exception of a stopped call pickles, as a process pool's worker must send it back."""
+    import pickle
+
+    from cbnb.lab.driver import announce_stop
+
+    e = TimeoutError("the run did not end")
+    announce_stop(None, e, "cbnb: run timed out: cancelled 2 unfinished requests")
+    back = pickle.loads(pickle.dumps(e))
+    assert str(back) == "the run did not end" and not hasattr(e, "_render_traceback_")
