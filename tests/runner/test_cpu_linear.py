@@ -78,6 +78,12 @@ def test_one_row_takes_torchs_blas_unless_told_not_to(monkeypatch):
         assert calls[-1] == (1, 1, 64)
         assert cpu_linear.runner_linear(torch.float32)(one[0], lin.weight).shape == (1, 96)
         assert calls[-1] == (1, 64)  # the probes' linear follows the same switch
+        monkeypatch.setenv("CBNB_MKL_GEMV", "1")
+        for packed in ("1", "0"):  # with packing off too, as the engine's linears
+            monkeypatch.setenv("CBNB_PACKED_LINEAR", packed)
+            n = len(calls)
+            cpu_linear.runner_linear(torch.float32)(one[0], lin.weight)
+            assert len(calls) == n, packed
     finally:
         cpu_linear.unroute(model)
 

@@ -177,7 +177,7 @@ def _own_pack(m: torch.nn.Linear) -> _Pack:
 def gemv() -> bool:
     """A linear over one row (a lone request's decode step) takes ``F.linear`` (torch's BLAS), unless
     ``CBNB_MKL_GEMV`` is 0. Measured on a 2-core Sapphire Rapids Xeon (2026-12-07): SmolLM2-135M's 1-row decode
-    forward took 33-37 ms so against 47-61 ms through oneDNN (its packed layout is chosen for many rows), equal from
+    forward took 33-37 ms against 47-61 ms through oneDNN (its packed layout is chosen for many rows), equal from
     4 rows up. Not measured on an AVX2-only machine."""
     return not _off("CBNB_MKL_GEMV")
 
@@ -219,18 +219,22 @@ def fused_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 def runner_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``linear(x, weight)`` as the CPU runner computes it for weights of `dtype` (the oneDNN op for float32 with
-    the fast path on, on a packed copy of each weight made at its first call while packing is on; else
-    ``F.linear``): what `cbnb.measure.calibrate` and the bench's roofline probe time, so they price the engine's GEMMs.
-    The packed copies live as long as the returned function."""
+    the fast path on, on a packed copy of each weight made at its first call while packing is on; ``F.linear`` for
+    one row while `gemv` is on, and else): what `cbnb.measure.calibrate` and the bench's roofline probe time, so they
+    price the engine's GEMMs. The packed copies live as long as the returned function."""
     op = _op()
     if not (dtype == torch.float32 and wanted() and available()):
         return F.linear
+    one_row = gemv()
     if not packing():
-        return lambda x, w: op(x, w, None, "none", [], "")
+        def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if one_row and x.numel() == x.shape[-1]:
+                return F.linear(x, w)  # as the engine's 1-row linears (`gemv`)
+            return op(x, w, None, "none", [], "")
+
+        return plain
     reorder = _reorder()
     packs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-    one_row = gemv()
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if one_row and x.numel() == x.shape[-1]:
