@@ -38,7 +38,9 @@ def _reference(q, k_pages, v_pages, rows, tables, lens, scale):
 # than one block holds (256); spread 40: scores far apart, so most exponentials underflow (the inline exp's clamp).
 @pytest.mark.parametrize("H, Hkv, D, P, spread", [(9, 3, 64, 16, 1.0), (4, 1, 16, 5, 1.0), (4, 4, 256, 8, 1.0),
                                                   (40, 2, 64, 16, 1.0), (2, 1, 320, 8, 1.0), (9, 3, 64, 16, 40.0)])
-def test_kernel_matches_sdpa_per_row(H, Hkv, D, P, spread):
+# 4 rows: a task per (row, KV head); 24 rows on up to 6 threads: a task per row, over all its KV heads.
+@pytest.mark.parametrize("n_rows", [4, 24])
+def test_kernel_matches_sdpa_per_row(H, Hkv, D, P, spread, n_rows):
     assert cpu_kernels.available(), cpu_kernels.build_error()
     g = torch.Generator().manual_seed(0)
     rng = random.Random(0)
@@ -46,10 +48,10 @@ def test_kernel_matches_sdpa_per_row(H, Hkv, D, P, spread):
     # Strided pages as in the pool: [blocks, layers, 2, P, Hkv, D], layer 1.
     pool = torch.randn(nb, 3, 2, P, Hkv, D, generator=g)
     k_pages, v_pages = pool[:, 1, 0], pool[:, 1, 1]
-    T = 7
+    T = 7 if n_rows == 4 else 30
     q = torch.randn(T, H, D, generator=g) * spread
-    rows = torch.tensor([0, 2, 3, 6])
-    lens = torch.tensor([1, P, P + 1, 3 * P - 2])
+    rows = torch.tensor([0, 2, 3, 6] if n_rows == 4 else sorted(rng.sample(range(T), n_rows)))
+    lens = torch.tensor([1, P, P + 1, 3 * P - 2] * (n_rows // 4))
     width = 3
     tables = torch.tensor([[rng.randrange(nb) for _ in range(width)] for _ in rows])
     out = torch.full_like(q, 7.0)
