@@ -131,6 +131,51 @@ def test_siblings_run_as_one_packed_gemm_and_match_f_linear(monkeypatch, bias):
 
 
 @needs_packing
+def test_group_output_is_the_members_outputs_side_by_side_and_yields_to_hooks():
+    att = _Attn(True)
+    x = torch.randn(5, 32)
+    want = torch.cat([F.linear(x, m.weight, m.bias) for m in (att.q_proj, att.k_proj, att.v_proj)], dim=-1)
+    cpu_linear.route(att)
+    try:
+        assert cpu_linear.group_output(att.q_proj, x) is None  # outside the runner's forward
+        with cpu_linear.onednn():
+            got = cpu_linear.group_output(att.q_proj, x)
+            assert cpu_linear.group_output(att.k_proj, x) is None  # not the group's first member
+            assert cpu_linear.group_output(att.o_proj, x) is None  # in no group
+            assert cpu_linear.group_output(att.q_proj, x[:1]) is None  # one row: torch's BLAS, member by member
+            seen = []
+            hook = att.v_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+            assert cpu_linear.group_output(att.q_proj, x) is None  # a hook must see its own call
+            hook.remove()
+            hook = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+            assert cpu_linear.group_output(att.q_proj, x) is None
+            hook.remove()
+            assert cpu_linear.group_output(att.q_proj, x) is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got.shape == (5, 80)
+    finally:
+        cpu_linear.unroute(att)
+
+
+@needs_onednn
+def test_a_hook_on_a_fused_projection_still_sees_every_engine_step():
+    model = tiny_model("tiny:llama")
+    k_proj = model.model.layers[0].self_attn.k_proj
+    calls = []
+    hook = k_proj.register_forward_hook(lambda m, a, out: calls.append(tuple(out.shape)))
+    engine = cbnb.Engine(model, None, config(page_size=4, num_blocks=64, max_batch_tokens=32)).start()
+    try:
+        outs = results(submit_together(engine, STD_PROMPTS[:2], 6))
+        steps = engine.core.step_id
+    finally:
+        engine.stop()
+        hook.remove()
+    oracle = oracle_for("tiny:llama")
+    assert [o.token_ids for o in outs] == [oracle(p, 6) for p in STD_PROMPTS[:2]]
+    assert len(calls) >= steps > 0  # once per forward: the layer called the module, not the fused GEMM alone
+
+
+@needs_packing
 def test_a_weight_changed_in_place_or_replaced_is_packed_again():
     att = _Attn(False)
     cpu_linear.route(att)

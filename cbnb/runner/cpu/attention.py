@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from . import cpu_kernels, layer_ops
 
-__all__ = ["ATTN_NAME", "register", "paged_attention_forward", "paged_attention_op", "current_batch"]
+__all__ = ["ATTN_NAME", "register", "paged_attention_forward", "paged_attention", "paged_attention_op",
+           "current_batch"]
 
 #: The `StepBatch` of the compiled forward running on this thread (``.batch``; published by `cbnb.runner.cpu.compiled`).
 step_local = threading.local()
@@ -80,16 +81,24 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                       **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("cbnb_paged attention does not support attention-logit soft-capping")
-    layer = module.layer_idx
+    out = paged_attention(batch, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), scaling)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(batch: Any, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scaling: float | None) -> torch.Tensor:
+    """Layer `layer`'s attention for the step `batch` (a `StepBatch`): writes the step's K/V into the pages, then
+    attends (the steps of the module docstring). `q` ``[T, H, D]``, `k` and `v` ``[T, Hkv, D]`` (the step's packed
+    tokens, any strides); returns ``[T, H, D]``. `scaling` None: ``D ** -0.5``. Called by
+    `paged_attention_forward`, and directly by the CPU decoder-layer forward (`cbnb.runner.cpu.cpu_layers`), which
+    has q, k and v in this layout already."""
     g, _ = batch.layer_group[layer]
     gb = batch.groups[g]
     k_pages = batch.store.k[layer]
     v_pages = batch.store.v[layer]
-    q = query[0].transpose(0, 1)  # [T, H, D]
     if (gb.dec_lens is not None or gb.pre_counts is not None) and q.stride(-1) != 1:
         q = q.contiguous()  # the kernels read rows of contiguous head vectors
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)
     out = torch.empty_like(q)
 
     old = {}
@@ -146,7 +155,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             vs = torch.cat([ov, v[row.a:row.b]], 0)
         o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), row.mask, True, scaling)
         out[row.a:row.b] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def register() -> None:

@@ -6,7 +6,7 @@ q back and copies it, the MLP's SiLU and product are two passes over the widest 
 cost more than their arithmetic: per 30 layers of SmolLM2, about 1.5 ms of rotary alone in a 32-row decode step and
 7 ms in a 512-token prefill step (2026-12-06, the project's EPYC; `cbnb.runner.cpu.layer_ops`). Here a layer is: RMSNorm
 (C), q/k/v (one GEMM, `cbnb.runner.cpu.cpu_linear`), rotary (C, writing q and k in the ``[T, H, D]`` layout the paged
-attention reads), the paged attention (`cbnb.runner.cpu.attention.paged_attention_forward`, called directly), o_proj,
+attention reads), the paged attention (`cbnb.runner.cpu.attention.paged_attention`, called directly), o_proj,
 residual add + RMSNorm (one C pass), gate/up (one GEMM), SiLU * up (C), down_proj, residual add: what vLLM's model
 files do with its fused kernels.
 
@@ -19,20 +19,24 @@ CUDA runner's forward) runs the class forward unchanged. Results: the rotary, th
 adds and the K/V write are the same bits as transformers'; RMSNorm and SiLU agree to float32 rounding (another
 summation order, another exp), like the decode kernel, and the greedy oracle holds with the route on and off
 (``CBNB_CPU_KERNELS=0`` routes nothing with the rest of the CPU fast path; ``CBNB_CPU_LAYERS=0`` this part alone).
-`unroute` restores the class forward.
+`unroute` restores the class forward. Python per layer is kept short (it runs 30 times a step, single-threaded, while
+the cores that run the GEMMs wait): the fused q/k/v and gate/up GEMMs are one call each (`cpu_linear.group_output`,
+not one module call per projection), the paged attention is called with ``[T, H, D]`` tensors (no transformers
+attention-interface wrapper), and the conditions that hold for a whole step are checked at its first layer only.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 from typing import Any
 
 import torch
 
-from . import layer_ops
-from .attention import ATTN_NAME, paged_attention_forward
+from . import cpu_linear, layer_ops
+from .attention import ATTN_NAME, paged_attention
 
 __all__ = ["ROUTED", "wanted", "route", "unroute", "routed"]
 
@@ -40,45 +44,67 @@ __all__ = ["ROUTED", "wanted", "route", "unroute", "routed"]
 #: residual adds; rotate_half rotary; no sliding window, soft-capping or extra norms).
 ROUTED = ("LlamaDecoderLayer",)
 _MARK = "_cbnb_layer"
+_local = threading.local()
 
 
 def _attention(attn: torch.nn.Module, h: torch.Tensor, heads: tuple[int, int], cos: torch.Tensor, sin: torch.Tensor,
-               kwargs: dict[str, Any]) -> torch.Tensor:
+               batch: Any) -> torch.Tensor:
     """o_proj(paged attention(rotary(q, k), v)) of the normed rows `h` ``[T, hidden]``; returns ``[T, hidden]``."""
     T = h.shape[0]
     # The runner's linears: one fused GEMM; q, k and v are slices of its output (cbnb.runner.cpu.cpu_linear).
-    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    qkv = cpu_linear.group_output(attn.q_proj, h)
+    if qkv is None:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    else:
+        q, k, v = qkv.split((attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), dim=-1)
     q, k = layer_ops.rope_qk(q, k, cos, sin, heads[0], heads[1])  # [T, H, D], [T, Hkv, D]
-    v = v.view(T, heads[1], -1)
-    out, _ = paged_attention_forward(attn, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                     v.transpose(0, 1).unsqueeze(0), None, scaling=attn.scaling, **kwargs)
-    return attn.o_proj(out[0].reshape(T, -1))
+    out = paged_attention(batch, attn.layer_idx, q, k, v.view(T, heads[1], -1), attn.scaling)
+    return attn.o_proj(out.reshape(T, -1))
+
+
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """down_proj(silu(gate_proj(h)) * up_proj(h)), gate and up from one fused GEMM where the runner fuses them."""
+    gu = cpu_linear.group_output(mlp.gate_proj, h)
+    if gu is None:
+        g, u = mlp.gate_proj(h), mlp.up_proj(h)
+    else:
+        g, u = gu.split((mlp.gate_proj.out_features, mlp.up_proj.out_features), dim=-1)
+    return mlp.down_proj(layer_ops.silu_mul(g, u))
 
 
 def _fast(self: torch.nn.Module, hs: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-    cos, sin = kwargs.pop("position_embeddings")
-    for name in ("hidden_states", "attention_mask", "cache", "past_key_values", "use_cache"):
-        kwargs.pop(name, None)
+    cos, sin = kwargs["position_embeddings"]
     x = hs[0]  # [T, hidden]
     n_in, n_post = self.input_layernorm, self.post_attention_layernorm
     _, h = layer_ops.rms_norm(x, n_in.weight, n_in.variance_epsilon)
-    a = _attention(self.self_attn, h, self.__dict__[_MARK], cos[0], sin[0], kwargs)
+    a = _attention(self.self_attn, h, self.__dict__[_MARK], cos[0], sin[0], kwargs["cbnb_batch"])
     x, h = layer_ops.rms_norm(a, n_post.weight, n_post.variance_epsilon, residual=x)  # x + a, then its norm
-    mlp = self.mlp
-    m = mlp.down_proj(layer_ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-    return (x + m).unsqueeze(0)
+    return (x + _mlp(self.mlp, h)).unsqueeze(0)
+
+
+def _step_ok(self: torch.nn.Module, kwargs: dict[str, Any], pe: Any) -> bool:
+    """The conditions of the fast path that hold for a whole step (its batch, position embeddings, the model's
+    attention); checked at the step's first layer and remembered for the others (same batch and cos object)."""
+    batch = kwargs.get("cbnb_batch")
+    held = getattr(_local, "step", None)
+    if held is not None and held[0] is batch and held[1] is pe[0]:
+        return held[2]
+    ok = (batch is not None and not kwargs.get("cbnb_compiled") and kwargs.get("cache") is None
+          and kwargs.get("past_key_values") is None and not torch.is_grad_enabled()
+          and pe[0].dtype == torch.float32 and pe[0].dim() == 3 and pe[0].shape[0] == 1 and pe[0].stride(-1) == 1
+          and pe[1].stride() == pe[0].stride() and self.self_attn.config._attn_implementation == ATTN_NAME
+          and layer_ops.available())
+    # The batch and cos are kept until the next step's first layer (identity, not id(): no reuse after free).
+    _local.step = (batch, pe[0], ok)
+    return ok
 
 
 def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     hs = args[0] if len(args) == 1 else (kwargs.get("hidden_states") if not args else None)
     pe = kwargs.get("position_embeddings")
-    if (hs is not None and kwargs.get("cbnb_batch") is not None and not kwargs.get("cbnb_compiled")
-            and kwargs.get("cache") is None and kwargs.get("past_key_values") is None and pe is not None
-            and hs.dtype == torch.float32 and hs.dim() == 3 and hs.shape[0] == 1 and hs.stride(-1) == 1
-            and not torch.is_grad_enabled() and pe[0].dtype == torch.float32 and pe[0].dim() == 3
-            and pe[0].shape[0] == 1 and pe[0].stride(-1) == 1 and pe[1].stride() == pe[0].stride()
-            and self.self_attn.config._attn_implementation == ATTN_NAME and layer_ops.available()):
-        return _fast(self, hs, dict(kwargs))
+    if (hs is not None and pe is not None and hs.dtype == torch.float32 and hs.dim() == 3 and hs.shape[0] == 1
+            and hs.stride(-1) == 1 and kwargs.get("cbnb_batch") is not None and _step_ok(self, kwargs, pe)):
+        return _fast(self, hs, kwargs)
     return type(self).forward(self, *args, **kwargs)
 
 

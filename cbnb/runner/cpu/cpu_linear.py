@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .cpu_kernels import enabled
 
 __all__ = ["available", "wanted", "packing", "gemv", "onednn", "route", "unroute", "runner_linear", "fused_groups",
-           "packed_bytes", "bytes_to_pack"]
+           "group_output", "packed_bytes", "bytes_to_pack"]
 
 _local = threading.local()
 _checked: dict[str, bool] = {}
@@ -198,6 +198,29 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return _op()(x, p.weight, p.bias, "none", [], "")
         return _op()(x, self.weight, self.bias, "none", [], "")
     return F.linear(x, self.weight, self.bias)
+
+
+def group_output(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The output of the whole fused group whose first member is `m` (`fused_groups`): ``[..., sum of the members'
+    out_features]``, member i's output being its slice in group order, computed by the one GEMM the members' own
+    forwards would share (the same bits). None where those forwards would not fuse (outside the runner's forward,
+    one row, `m` leads no group) or where a member has forward hooks (they must see their own call): then call the
+    members. Saves the CPU decoder-layer forward (`cbnb.runner.cpu.cpu_layers`) a module call per extra member."""
+    gi = m.__dict__.get(_GROUP)
+    if gi is None or gi[1] != 0 or not getattr(_local, "depth", 0) or not x.numel() or x.dtype != torch.float32 \
+            or x.requires_grad or _one_row(x):
+        return None
+    g = gi[0]
+    if _hooks() or any(h._forward_hooks or h._forward_pre_hooks for h in g.members):
+        return None
+    p = g.packed()
+    return _op()(x, p.weight, p.bias, "none", [], "")
+
+
+def _hooks() -> bool:
+    """Whether global module hooks are registered (`torch.nn.modules.module.register_module_forward_hook`)."""
+    mod = torch.nn.modules.module
+    return bool(getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None))
 
 
 def _routable(m: torch.nn.Module) -> bool:
