@@ -90,6 +90,20 @@ class ControlsPanel(Panel):
                   "Step runs one scheduling step.", "info")
         self.poller.poke()
 
+        hold = getattr(self.engine, "_hold", None)  # waits for the hold only (pause(wait=True) would pause again)
+
+        def settled() -> None:
+            # The step running at the click ends after this poke: poll again once the loop holds, so "paused
+            # after step N" names that step now rather than at the next poll.
+            try:
+                if hold(30.0) and self.engine.paused:
+                    self.poller.poke()
+            except Exception:  # a stopped or dead engine: the poller reports that itself
+                pass
+
+        if hold is not None:
+            threading.Thread(target=settled, name="cbnb-ui-pause", daemon=True).start()
+
     def resume(self) -> None:
         """Let steps run freely again (`Engine.resume`)."""
         if self._no_step_mode():

@@ -166,6 +166,25 @@ def test_reconfigure_and_workload_start_labelled_runs(engine):
 
 
 # ---------------------------------------------------------------------------------------------- step mode panel
+def test_pause_pokes_the_poller_again_once_the_loop_holds(engine):
+    """The step running at the click applies after the first poke; a second poke once the loop holds lets the panel
+    name that step ("paused after step N") without waiting for the next poll (a teacher saw it one poll stale)."""
+    poller = Poller(engine)
+    c = ControlsPanel(engine, poller=poller)
+    held_at_poke: list[bool] = []
+    poller.poke = lambda: held_at_poke.append(engine._loop.parked.is_set())
+    hs = [engine.submit(ids(30), max_new_tokens=60, eos_token_id=-1) for _ in range(4)]
+    try:
+        wait_for(lambda: engine.core.step_id > 2, TIMEOUT)
+        msg(c, kind="pause")
+        wait_for(lambda: True in held_at_poke, TIMEOUT)
+        assert engine.paused and c.paused
+    finally:
+        engine.resume()
+    for h in hs:
+        h.result(timeout=TIMEOUT)
+
+
 def test_controls_pause_step_resume_and_font_scale(engine):
     poller = Poller(engine)
     c = ControlsPanel(engine, poller=poller)
