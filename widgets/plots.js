@@ -300,6 +300,7 @@ async function render({ model, el }) {
       const fig = plotsFigures(model, cbnbTheme(f.root), cbnbScale(f.root), plots[i].clientWidth || 420)[i]();
       const t0 = performance.now();
       await P.react(plots[i], fig.traces, fig.layout, { displayModeBar: false, responsive: true });
+      refit(plots[i]); // the cell may have changed width while the figure was being made
       if (i === 1) drawReasonLegend(fig.reasons || []);
       if (i === 4) graphNote.textContent = plotsGraphNote(model.get("summary") || {});
       lastDraw = performance.now();
@@ -347,15 +348,26 @@ async function render({ model, el }) {
   }
   // Plotly's `responsive` follows the window only: a chart whose cell changes width (the grid reflows at another
   // font scale, a narrower output) is resized here, else it keeps its old width and spills over its neighbours.
+  // Whether a drawn chart's SVG is as wide as its cell. Plotly sizes it at a draw or a resize; a resize that raced a
+  // draw, or ran while the chart was hidden (Plotly then skips it), left the old width, and no later width change
+  // came to fix it (CI saw a chart 79 px wider than its cell after the font scale went to 2x).
+  const fits = (d) => {
+    const svg = d.querySelector(".main-svg");
+    return !svg || Math.abs(svg.getBoundingClientRect().width - d.getBoundingClientRect().width) <= 1;
+  };
+  // Resize until the chart fits its cell, a few tries apart (bounded: a chart that cannot fit stops trying).
+  const refit = (d, tries = 4) => {
+    if (!alive || !P || !d._fullLayout || tries <= 0 || fits(d)) return;
+    Promise.resolve()
+      .then(() => P.Plots.resize(d))
+      .catch(() => {}) // hidden right now: the next width change (shown again) refits it
+      .then(() => setTimeout(() => refit(d, tries - 1), 150));
+  };
   let ro = null;
   if (typeof ResizeObserver !== "undefined") {
-    const widths = new Map();
     ro = new ResizeObserver((entries) => {
       for (const en of entries) {
-        const d = en.target, w = Math.round(en.contentRect.width);
-        if (!w || widths.get(d) === w || !(P && d._fullLayout)) continue; // not drawn yet: its first draw fits
-        widths.set(d, w);
-        P.Plots.resize(d);
+        if (Math.round(en.contentRect.width)) refit(en.target); // not drawn yet: its first draw fits
       }
     });
     plots.forEach((d) => ro.observe(d));
