@@ -7,6 +7,7 @@ thread that waits until the call has requests in the engine."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -26,7 +27,21 @@ from helpers_engine import TIMEOUT, tiny_model
 LIVE = ("PENDING", "PREFILLING", "DECODING")
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_gc_callbacks")  # one torch thread (tests/conftest.py)
+
+
+@pytest.fixture
+def no_gc_callbacks():
+    """No `gc.callbacks` while a test interrupts itself: Python swallows an exception raised inside a gc callback
+    ("Exception ignored in ..."), and hypothesis, imported by other tests, installs one that times every collection,
+    so a SIGINT whose handler ran inside it was lost (CI, 2026-12-07: "DID NOT RAISE KeyboardInterrupt" with that
+    KeyboardInterrupt reported as unraisable in hypothesis's gc_callback)."""
+    saved = gc.callbacks[:]
+    gc.callbacks.clear()
+    try:
+        yield
+    finally:
+        gc.callbacks[:] = saved
 
 
 @pytest.fixture(scope="module")
