@@ -346,8 +346,6 @@ async function render({ model, el }) {
     });
     plots.forEach((d) => io.observe(d));
   }
-  // Plotly's `responsive` follows the window only: a chart whose cell changes width (the grid reflows at another
-  // font scale, a narrower output) is resized here, else it keeps its old width and spills over its neighbours.
   // Whether a drawn chart's SVG is as wide as its cell. Plotly sizes it at a draw or a resize; a resize that raced a
   // draw, or ran while the chart was hidden (Plotly then skips it), left the old width, and no later width change
   // came to fix it (CI saw a chart 79 px wider than its cell after the font scale went to 2x).
@@ -363,6 +361,8 @@ async function render({ model, el }) {
       .catch(() => {}) // hidden right now: the next width change (shown again) refits it
       .then(() => setTimeout(() => refit(d, tries - 1), 150));
   };
+  // Plotly's `responsive` follows the window only: a chart whose cell changes width (the grid reflows at another
+  // font scale, a narrower output) is resized here, else it keeps its old width and spills over its neighbours.
   let ro = null;
   if (typeof ResizeObserver !== "undefined") {
     ro = new ResizeObserver((entries) => {

@@ -20,7 +20,7 @@ adds and the K/V write are the same bits as transformers'; RMSNorm and SiLU agre
 summation order, another exp), like the decode kernel, and the greedy oracle holds with the route on and off
 (``CBNB_CPU_KERNELS=0`` routes nothing with the rest of the CPU fast path; ``CBNB_CPU_LAYERS=0`` this part alone).
 `unroute` restores the class forward. Python per layer is kept short (it runs 30 times a step, single-threaded, while
-the cores that run the GEMMs wait): the fused q/k/v and gate/up GEMMs are one call each (`cpu_linear.group_output`,
+the cores that run the GEMMs wait): the fused q/k/v and gate/up GEMMs are one call each (`cpu_linear.sibling_outputs`,
 not one module call per projection), the paged attention is called with ``[T, H, D]`` tensors (no transformers
 attention-interface wrapper), and the conditions that hold for a whole step are checked at its first layer only.
 """
@@ -52,11 +52,7 @@ def _attention(attn: torch.nn.Module, h: torch.Tensor, heads: tuple[int, int], c
     """o_proj(paged attention(rotary(q, k), v)) of the normed rows `h` ``[T, hidden]``; returns ``[T, hidden]``."""
     T = h.shape[0]
     # The runner's linears: one fused GEMM; q, k and v are slices of its output (cbnb.runner.cpu.cpu_linear).
-    qkv = cpu_linear.group_output(attn.q_proj, h)
-    if qkv is None:
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    else:
-        q, k, v = qkv.split((attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), dim=-1)
+    q, k, v = cpu_linear.sibling_outputs([attn.q_proj, attn.k_proj, attn.v_proj], h)
     q, k = layer_ops.rope_qk(q, k, cos, sin, heads[0], heads[1])  # [T, H, D], [T, Hkv, D]
     out = paged_attention(batch, attn.layer_idx, q, k, v.view(T, heads[1], -1), attn.scaling)
     return attn.o_proj(out.reshape(T, -1))
@@ -64,11 +60,7 @@ def _attention(attn: torch.nn.Module, h: torch.Tensor, heads: tuple[int, int], c
 
 def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """down_proj(silu(gate_proj(h)) * up_proj(h)), gate and up from one fused GEMM where the runner fuses them."""
-    gu = cpu_linear.group_output(mlp.gate_proj, h)
-    if gu is None:
-        g, u = mlp.gate_proj(h), mlp.up_proj(h)
-    else:
-        g, u = gu.split((mlp.gate_proj.out_features, mlp.up_proj.out_features), dim=-1)
+    g, u = cpu_linear.sibling_outputs([mlp.gate_proj, mlp.up_proj], h)
     return mlp.down_proj(layer_ops.silu_mul(g, u))
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .cpu_kernels import enabled
 
 __all__ = ["available", "wanted", "packing", "gemv", "onednn", "route", "unroute", "runner_linear", "fused_groups",
-           "group_output", "packed_bytes", "bytes_to_pack"]
+           "group_output", "sibling_outputs", "packed_bytes", "bytes_to_pack"]
 
 _local = threading.local()
 _checked: dict[str, bool] = {}
@@ -126,6 +126,10 @@ class _Pack:
     def _versions(self) -> tuple:
         return tuple(t._version for w, b in self.sources for t in (w, b) if t is not None)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` through oneDNN on the packed weight."""
+        return _op()(x, self.weight, self.bias, "none", [], "")
+
     def fresh(self, modules: list[torch.nn.Linear]) -> bool:
         return all(m.weight is w and m.bias is b for m, (w, b) in zip(modules, self.sources)) \
             and self._versions() == self.versions
@@ -158,8 +162,7 @@ class _Group:
             if not held[1]:
                 del stash[id(self)]
             return out
-        p = self.packed()
-        parts = _op()(x, p.weight, p.bias, "none", [], "").split(self.sizes, dim=-1)
+        parts = self.packed().linear(x).split(self.sizes, dim=-1)
         stash[id(self)] = (x, {j: t for j, t in enumerate(parts) if j != i})
         return parts[i]
 
@@ -186,16 +189,21 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1] and getattr(_local, "gemv", True)
 
 
+def _onednn_input(x: torch.Tensor) -> bool:
+    """A routed linear takes the oneDNN path for `x`: inside the runner's forward (`onednn`), float32, no grad, not one
+    row (`gemv`)."""
+    return bool(getattr(_local, "depth", 0) and x.numel() and x.dtype == torch.float32 and not x.requires_grad
+                and not _one_row(x))
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_local, "depth", 0) and x.numel() and x.dtype == torch.float32 and not x.requires_grad \
-            and not _one_row(x):
+    if _onednn_input(x):
         d = self.__dict__
         if _GROUP in d:
             g, i = d[_GROUP]
             return g.call(i, x)
         if _PACK in d:
-            p = _own_pack(self)
-            return _op()(x, p.weight, p.bias, "none", [], "")
+            return _own_pack(self).linear(x)
         return _op()(x, self.weight, self.bias, "none", [], "")
     return F.linear(x, self.weight, self.bias)
 
@@ -207,14 +215,22 @@ def group_output(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     one row, `m` leads no group) or where a member has forward hooks (they must see their own call): then call the
     members. Saves the CPU decoder-layer forward (`cbnb.runner.cpu.cpu_layers`) a module call per extra member."""
     gi = m.__dict__.get(_GROUP)
-    if gi is None or gi[1] != 0 or not getattr(_local, "depth", 0) or not x.numel() or x.dtype != torch.float32 \
-            or x.requires_grad or _one_row(x):
+    if gi is None or gi[1] != 0 or not _onednn_input(x):
         return None
     g = gi[0]
     if _hooks() or any(h._forward_hooks or h._forward_pre_hooks for h in g.members):
         return None
-    p = g.packed()
-    return _op()(x, p.weight, p.bias, "none", [], "")
+    return g.packed().linear(x)
+
+
+def sibling_outputs(members: list[torch.nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of sibling projections `members` (one `FUSABLE` set, in its order) for the input `x`: slices of
+    their one fused GEMM (`group_output`) where the runner fuses them, else each module's own call."""
+    gi = members[0].__dict__.get(_GROUP)
+    out = group_output(members[0], x) if gi is not None and gi[0].members == members else None
+    if out is None:
+        return tuple(m(x) for m in members)
+    return out.split(gi[0].sizes, dim=-1)
 
 
 def _hooks() -> bool:
